@@ -1,0 +1,211 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Per-token advantage coefficients of every OPD variant in the TV-OPD paper (SPEC §2).
+
+Every function here is pure and detached: it maps the sampled-token log-probabilities of one rollout batch, shaped
+`(B, T)`, to a `(B, T)` coefficient that is zero wherever the token is inactive. Notation follows the paper: delta is
+the raw log-ratio, z = sign(delta), m = |delta|, S = mean_t m over a sequence's active tokens and R = m / S.
+"""
+
+import torch
+
+
+ADVANTAGE_MODES = (
+    "raw",
+    "clip",
+    "power",
+    "vopd",
+    "sign",
+    "tv",
+    "relative_power",
+    "sequence_constant",
+    "shuffle",
+    "sign_mass_raw_alloc",
+)
+
+# A teacher that gives a sampled token no mass makes delta = -inf. Magnitude-based modes need a finite |delta|, so
+# -inf is replaced by the log of the smallest normal float32, the most negative log-probability float32 can resolve.
+LOG_FLOAT32_TINY = float(torch.log(torch.tensor(torch.finfo(torch.float32).tiny)))
+
+
+def token_delta(teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor):
+    """Returns the raw log-ratio delta and the active-token mask with non-finite tokens removed.
+
+    NaN (either model produced NaN) and +inf (the rollout policy gave its own sample no mass) carry no usable
+    direction, so those tokens leave the loss and the TV estimate. delta = -inf stays active: it is a legitimate
+    "teacher rules this token out".
+    """
+    delta = (teacher_logps.float() - old_logps.float()).detach()
+    nonfinite = torch.isnan(delta) | torch.isposinf(delta)
+    active = mask.bool() & ~nonfinite
+    return delta, active
+
+
+def _finite_delta(delta: torch.Tensor, active: torch.Tensor, floor: float | None) -> torch.Tensor:
+    floor = LOG_FLOAT32_TINY if floor is None else floor
+    delta = torch.where(torch.isneginf(delta), torch.full_like(delta, floor), delta)
+    return torch.where(active, delta, torch.zeros_like(delta))
+
+
+def _sequence_mean(values: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """Mean over each row's active tokens, shaped `(B, 1)`; 0 for a row without active tokens."""
+    count = active.sum(dim=1, keepdim=True)
+    return torch.where(active, values, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+
+
+def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    # A sequence whose magnitudes are all zero has S = 0: every mode that divides by S gives it zero coefficients.
+    return torch.where(denominator > 0, numerator / denominator.clamp(min=torch.finfo(numerator.dtype).tiny), 0.0)
+
+
+def raw_advantage(delta, active, *, clip_low=None):
+    return _finite_delta(delta, active, clip_low)
+
+
+def clip_advantage(delta, active, *, clip_low, clip_high):
+    return _finite_delta(delta, active, clip_low).clamp(min=clip_low, max=clip_high) * active
+
+
+def power_advantage(teacher_logps, old_logps, active, *, gamma):
+    # Box-Cox on probabilities: p_T^gamma - p_old^gamma, bounded in [-1, 1] and sign-preserving.
+    advantage = torch.exp(gamma * teacher_logps.float()) - torch.exp(gamma * old_logps.float())
+    return torch.where(active, advantage, 0.0)
+
+
+def vopd_advantage(delta, active, reverse_kl, *, clip_low=None):
+    # delta + RKL_t centres the single-sample estimate of -RKL_t on its exact conditional mean.
+    return torch.where(active, _finite_delta(delta, active, clip_low) + reverse_kl.float(), 0.0)
+
+
+def sign_advantage(delta, active):
+    return torch.where(active, torch.sign(delta), 0.0)
+
+
+def tv_advantage(delta, active, *, scale):
+    return scale * sign_advantage(delta, active)
+
+
+def relative_power_advantage(delta, active, *, beta, clip_low=None):
+    magnitude = _finite_delta(delta, active, clip_low).abs()
+    seq_scale = _sequence_mean(magnitude, active)
+    relative = _safe_divide(magnitude, seq_scale)
+    powered = torch.where(active, relative.pow(beta), 0.0)
+    flattened = _safe_divide(powered, _sequence_mean(powered, active))
+    return sign_advantage(delta, active) * seq_scale * flattened
+
+
+def sequence_constant_advantage(delta, active, *, clip_low=None):
+    magnitude = _finite_delta(delta, active, clip_low).abs()
+    return sign_advantage(delta, active) * _sequence_mean(magnitude, active)
+
+
+def shuffle_advantage(delta, active, *, clip_low=None, generator=None):
+    magnitude = _finite_delta(delta, active, clip_low).abs()
+    seq_scale = _sequence_mean(magnitude, active)
+    relative = _safe_divide(magnitude, seq_scale)
+    shuffled = torch.zeros_like(relative)
+    for row in range(relative.size(0)):
+        positions = active[row].nonzero().squeeze(1)
+        permutation = torch.randperm(positions.numel(), generator=generator, device="cpu").to(positions.device)
+        shuffled[row, positions] = relative[row, positions[permutation]]
+    return sign_advantage(delta, active) * seq_scale * shuffled
+
+
+def sign_mass_raw_alloc_advantage(delta, active, *, clip_low=None):
+    # Each sign group keeps the total mass Sign gives it (its token count); raw magnitudes allocate it within.
+    magnitude = _finite_delta(delta, active, clip_low).abs()
+    sign = sign_advantage(delta, active)
+    group_mean = torch.zeros_like(magnitude)
+    for group_sign in (1.0, -1.0):
+        in_group = sign == group_sign
+        group_mean = torch.where(in_group, _sequence_mean(magnitude, in_group).expand_as(magnitude), group_mean)
+    return sign * _safe_divide(magnitude, group_mean)
+
+
+def compute_advantages(
+    mode: str,
+    *,
+    teacher_logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float = 1.0,
+    reverse_kl: torch.Tensor | None = None,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    gamma: float | None = None,
+    beta: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """
+    Detached per-token advantage coefficients A_t for one of the [`ADVANTAGE_MODES`] (SPEC §2).
+
+    Args:
+        mode (`str`):
+            One of `"raw"`, `"clip"`, `"power"`, `"vopd"`, `"sign"`, `"tv"`, `"relative_power"`,
+            `"sequence_constant"`, `"shuffle"` and `"sign_mass_raw_alloc"`.
+        teacher_logps (`torch.Tensor`):
+            `(B, T)` teacher log-probabilities of the sampled tokens.
+        old_logps (`torch.Tensor`):
+            `(B, T)` rollout-policy log-probabilities of the same tokens.
+        mask (`torch.Tensor`):
+            `(B, T)` response mask, 1 on active completion tokens (EOS included) and 0 on padding and tool output.
+        scale (`float`, *optional*, defaults to `1.0`):
+            The TV-OPD coefficient c_k, used by `"tv"` only.
+        reverse_kl (`torch.Tensor`, *optional*):
+            `(B, T)` exact per-state reverse KL(pi_old || pi_T), required by `"vopd"`.
+        clip_low (`float`, *optional*):
+            Lower ClipOPD bound, required by `"clip"`. In every mode that uses |delta|, a delta of -inf is replaced
+            by this value if set, else by log of the smallest normal float32.
+        clip_high (`float`, *optional*):
+            Upper ClipOPD bound, required by `"clip"`.
+        gamma (`float`, *optional*):
+            PowerOPD exponent (> 0), required by `"power"`.
+        beta (`float`, *optional*):
+            Power(beta) exponent in [0, 1], required by `"relative_power"`.
+        generator (`torch.Generator`, *optional*):
+            CPU generator for the within-sequence permutation of `"shuffle"`.
+
+    Returns:
+        `torch.Tensor`: `(B, T)` float32 coefficients, detached, zero on inactive and non-finite tokens.
+    """
+    delta, active = token_delta(teacher_logps, old_logps, mask)
+
+    def require(name, value):
+        if value is None:
+            raise ValueError(f"advantage_mode={mode!r} requires `{name}`, but it is None.")
+        return value
+
+    if mode == "raw":
+        return raw_advantage(delta, active, clip_low=clip_low)
+    if mode == "clip":
+        return clip_advantage(
+            delta, active, clip_low=require("clip_low", clip_low), clip_high=require("clip_high", clip_high)
+        )
+    if mode == "power":
+        return power_advantage(teacher_logps, old_logps, active, gamma=require("gamma", gamma))
+    if mode == "vopd":
+        return vopd_advantage(delta, active, require("reverse_kl", reverse_kl), clip_low=clip_low)
+    if mode == "sign":
+        return sign_advantage(delta, active)
+    if mode == "tv":
+        return tv_advantage(delta, active, scale=scale)
+    if mode == "relative_power":
+        return relative_power_advantage(delta, active, beta=require("beta", beta), clip_low=clip_low)
+    if mode == "sequence_constant":
+        return sequence_constant_advantage(delta, active, clip_low=clip_low)
+    if mode == "shuffle":
+        return shuffle_advantage(delta, active, clip_low=clip_low, generator=generator)
+    if mode == "sign_mass_raw_alloc":
+        return sign_mass_raw_alloc_advantage(delta, active, clip_low=clip_low)
+    raise ValueError(f"Unknown advantage_mode {mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}.")

@@ -1,0 +1,222 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+import warnings
+from dataclasses import dataclass, field
+
+from trl import DistillationConfig
+
+from .advantages import ADVANTAGE_MODES
+from .tv import validate_tv_hyperparameters
+
+
+# ClipOPD bounds used when `advantage_mode="clip"` and none are given (see the `advantage_clip_low` docstring).
+DEFAULT_CLIP_BOUNDS = (-5.0, 5.0)
+
+
+@dataclass
+class TVOPDConfig(DistillationConfig):
+    r"""
+    Configuration class for the [`TVOPDTrainer`].
+
+    Extends [`~trl.DistillationConfig`] with the parameters of sampled-token on-policy distillation (OPD) and of
+    TV-Regulated OPD (TV-OPD). The inherited `beta` (the generalized-JSD mix of the base trainer) plays no part here.
+
+    Parameters:
+        > Parameters that control the advantage
+
+        advantage_mode (`str`, *optional*, defaults to `"tv"`):
+            Per-token coefficient of the PPO-clipped policy-gradient loss, computed from the sampled-token log-ratio
+            delta = log pi_T - log pi_old. One of `"raw"` (Raw OPD), `"clip"` (ClipOPD), `"power"` (PowerOPD),
+            `"vopd"` (vOPD), `"sign"` (Sign / Sign-TV), `"tv"` (TV-OPD), `"relative_power"` (Power(beta) ablation),
+            `"sequence_constant"`, `"shuffle"` and `"sign_mass_raw_alloc"` (magnitude ablations).
+        advantage_clip_low (`float`, *optional*):
+            Lower ClipOPD bound. When `advantage_mode="clip"` and neither bound is set, the bounds default to
+            `(-5.0, 5.0)`: the TV-OPD paper does not state ClipOPD's thresholds, so this is our choice; it clips about
+            the top 1% of |delta| in the paper's dispersion snapshot (p99 of 6.47). In every magnitude-based mode, a
+            delta of -inf (teacher gives the token no mass) is replaced by this value if set.
+        advantage_clip_high (`float`, *optional*):
+            Upper ClipOPD bound. See `advantage_clip_low`.
+        power_gamma (`float`, *optional*, defaults to `0.5`):
+            Box-Cox exponent of PowerOPD, > 0: A = pi_T^gamma - pi_old^gamma. The TV-OPD paper does not state the
+            value its PowerOPD baseline used; 0.5 is our choice, halfway between the log-ratio limit (gamma -> 0) and
+            the probability difference (gamma = 1).
+        relative_power_beta (`float`, *optional*, defaults to `0.4`):
+            Exponent of the Power(beta) relative-magnitude ablation, in [0, 1]: 1 recovers Raw OPD and 0 recovers
+            Sequence-Constant. 0.4 is the stronger of the two settings the paper reports (Power-0.4 and Power-0.8).
+
+        > Parameters that control the TV-EMA scheduler (`advantage_mode="tv"`)
+
+        tv_alpha (`float`, *optional*, defaults to `0.5`):
+            Attenuation exponent alpha of c_k = clip(((D_bar + eps) / (D_ref + eps)) ** alpha, tv_min_scale, 1).
+            `0` keeps c_k = 1 (Sign-TV). The paper's value.
+        tv_ema_decay (`float`, *optional*, defaults to `0.95`):
+            EMA retention of the pooled TV estimate. The paper's value.
+        tv_min_scale (`float`, *optional*, defaults to `0.1`):
+            Floor c_min of the scale. The paper's value.
+        tv_eps (`float`, *optional*, defaults to `1e-5`):
+            Guard epsilon of the ratio. The paper's value.
+        log_exact_tv (`bool`, *optional*, defaults to `False`):
+            Whether to log `tv/exact`, the exact mean conditional TV over the vocabulary at every active state. It
+            costs one extra chunked pass over both models' vocabulary projections per rollout batch.
+
+        > Parameters that control the policy-gradient loss and rollout reuse
+
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Lower PPO clip range of the ratio pi_theta / pi_old.
+        epsilon_high (`float`, *optional*):
+            Upper PPO clip range. Defaults to `epsilon`.
+        num_iterations (`int`, *optional*, defaults to `1`):
+            Passes mu over each rollout batch. With `num_iterations=1` and `steps_per_generation=1` (the paper's
+            setting) every rollout batch feeds exactly one optimizer step, the ratio is 1 and the clip is inactive.
+        steps_per_generation (`int`, *optional*, defaults to `1`):
+            Consecutive optimizer steps S that one rollout batch is split into. Unlike GRPO, where it counts
+            micro-batches, it counts optimizer steps here: a rollout batch holds `per_device_train_batch_size *
+            gradient_accumulation_steps * steps_per_generation` prompts per process.
+
+        > Parameters that control the data preprocessing
+
+        max_prompt_length (`int` or `None`, *optional*, defaults to `1024`):
+            Maximum prompt length in tokens, after the chat template. Longer prompts are truncated on the left, as in
+            the paper, and counted in `prompts/truncated`. `None` disables truncation.
+
+        > Parameters that control vLLM rollouts
+
+        vllm_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
+            With `use_vllm=True`, whether to weight each token's loss by the truncated importance ratio pi_old /
+            pi_vllm, correcting the mismatch between the vLLM sampler and the trainer's log-probabilities.
+        vllm_importance_sampling_cap (`float`, *optional*, defaults to `3.0`):
+            Truncation of that ratio (TRL GRPO's default).
+
+    > [!NOTE]
+    > These parameters have default values different from [`~trl.DistillationConfig`]:
+    > - `disable_dropout`: Defaults to `True` instead of `False`: a probability ratio needs a deterministic policy.
+    > - `restore_callback_states_from_checkpoint`: Defaults to `True` instead of `False`, so that resuming restores
+    >   the TV scheduler.
+    """
+
+    # Parameters whose default values are overridden from DistillationConfig / TrainingArguments
+    disable_dropout: bool = field(
+        default=True,
+        metadata={"help": "Whether to disable dropout in the student model. A probability ratio needs it off."},
+    )
+    restore_callback_states_from_checkpoint: bool = field(
+        default=True,
+        metadata={"help": "Whether to restore callback states (the TV scheduler among them) on resume."},
+    )
+
+    # Parameters that control the advantage
+    advantage_mode: str = field(
+        default="tv",
+        metadata={"help": "Per-token advantage coefficient.", "choices": list(ADVANTAGE_MODES)},
+    )
+    advantage_clip_low: float | None = field(
+        default=None,
+        metadata={"help": "Lower ClipOPD bound; -5.0 when advantage_mode='clip' and no bound is set."},
+    )
+    advantage_clip_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper ClipOPD bound; 5.0 when advantage_mode='clip' and no bound is set."},
+    )
+    power_gamma: float | None = field(
+        default=0.5,
+        metadata={"help": "PowerOPD Box-Cox exponent (> 0)."},
+    )
+    relative_power_beta: float | None = field(
+        default=0.4,
+        metadata={"help": "Power(beta) relative-magnitude ablation exponent, in [0, 1]."},
+    )
+
+    # Parameters that control the TV-EMA scheduler
+    tv_alpha: float = field(default=0.5, metadata={"help": "TV-OPD attenuation exponent alpha (>= 0)."})
+    tv_ema_decay: float = field(default=0.95, metadata={"help": "EMA retention of the TV estimate, in [0, 1)."})
+    tv_min_scale: float = field(default=0.1, metadata={"help": "Floor of the TV-OPD scale, in (0, 1]."})
+    tv_eps: float = field(default=1e-5, metadata={"help": "Guard epsilon of the TV ratio (> 0)."})
+    log_exact_tv: bool = field(
+        default=False,
+        metadata={"help": "Whether to log the exact mean conditional TV over the vocabulary (`tv/exact`)."},
+    )
+
+    # Parameters that control the policy-gradient loss and rollout reuse
+    epsilon: float = field(default=0.2, metadata={"help": "Lower PPO clip range of the ratio."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper PPO clip range; defaults to epsilon."})
+    num_iterations: int = field(default=1, metadata={"help": "Passes over each rollout batch (mu)."})
+    steps_per_generation: int = field(
+        default=1, metadata={"help": "Optimizer steps each rollout batch is split into (S)."}
+    )
+
+    # Parameters that control the data preprocessing
+    max_prompt_length: int | None = field(
+        default=1024,
+        metadata={"help": "Maximum prompt length; longer prompts are left-truncated. None disables truncation."},
+    )
+
+    # Parameters that control vLLM rollouts
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "Whether to correct the vLLM sampler / trainer mismatch with truncated importance weights."},
+    )
+    vllm_importance_sampling_cap: float = field(
+        default=3.0, metadata={"help": "Truncation of the vLLM importance-sampling ratio."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.advantage_mode not in ADVANTAGE_MODES:
+            raise ValueError(
+                f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}."
+            )
+        validate_tv_hyperparameters(self.tv_alpha, self.tv_ema_decay, self.tv_min_scale, self.tv_eps)
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.epsilon < 0 or self.epsilon_high < 0:
+            raise ValueError(f"epsilon and epsilon_high must be >= 0, got {self.epsilon} and {self.epsilon_high}.")
+        for name in ("num_iterations", "steps_per_generation"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        if self.vllm_importance_sampling_cap <= 0:
+            raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
+
+        mode = self.advantage_mode
+        if mode == "clip":
+            if self.advantage_clip_low is None and self.advantage_clip_high is None:
+                self.advantage_clip_low, self.advantage_clip_high = DEFAULT_CLIP_BOUNDS
+            if self.advantage_clip_low is None or self.advantage_clip_high is None:
+                raise ValueError(
+                    "advantage_mode='clip' needs both advantage_clip_low and advantage_clip_high (or neither, for the "
+                    f"default {DEFAULT_CLIP_BOUNDS}); got {self.advantage_clip_low} and {self.advantage_clip_high}."
+                )
+        if (
+            self.advantage_clip_low is not None
+            and self.advantage_clip_high is not None
+            and not self.advantage_clip_low < self.advantage_clip_high
+        ):
+            raise ValueError(
+                f"advantage_clip_low must be < advantage_clip_high, got {self.advantage_clip_low} and "
+                f"{self.advantage_clip_high}."
+            )
+        if mode == "power" and (self.power_gamma is None or not self.power_gamma > 0):
+            raise ValueError(f"advantage_mode='power' needs power_gamma > 0, got {self.power_gamma}.")
+        if mode == "relative_power" and (self.relative_power_beta is None or not 0 <= self.relative_power_beta <= 1):
+            raise ValueError(
+                f"advantage_mode='relative_power' needs relative_power_beta in [0, 1], got {self.relative_power_beta}."
+            )
+        if not self.restore_callback_states_from_checkpoint:
+            warnings.warn(
+                "restore_callback_states_from_checkpoint=False: resuming from a checkpoint restarts the TV scheduler "
+                "(c_k = 1, new reference) instead of restoring it. Set it to True to resume the run exactly.",
+                stacklevel=2,
+            )

@@ -1,0 +1,44 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Dispersion statistics of the raw advantage, as in the paper's case study (section "Raw-Advantage Dispersion")."""
+
+import math
+
+import torch
+
+
+def advantage_dispersion(abs_delta: torch.Tensor) -> dict[str, float]:
+    """
+    Median, p99 and max of |delta| over a flat set of active tokens, and the share of the squared energy sum(delta^2)
+    held by the largest 1% and 10% of them (at least one token each). NaN for an empty set.
+    """
+    values = abs_delta.detach().double().flatten()
+    if values.numel() == 0:
+        nan = float("nan")
+        return {"abs_median": nan, "abs_p99": nan, "abs_max": nan, "top1pct_energy": nan, "top10pct_energy": nan}
+    energy = values.sort(descending=True).values.square()
+    total = energy.sum()
+
+    def top_share(fraction):
+        if total == 0:
+            return 0.0
+        return (energy[: math.ceil(fraction * energy.numel())].sum() / total).item()
+
+    return {
+        "abs_median": values.quantile(0.5).item(),
+        "abs_p99": values.quantile(0.99).item(),
+        "abs_max": values.max().item(),
+        "top1pct_energy": top_share(0.01),
+        "top10pct_energy": top_share(0.10),
+    }

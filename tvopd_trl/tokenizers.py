@@ -1,0 +1,46 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+from transformers import PreTrainedTokenizerBase
+
+
+def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
+    """
+    Raises a `ValueError` that says what differs unless both tokenizers map every token, special tokens included, to
+    the same id: sampled-token OPD scores the student's token ids under the teacher.
+
+    Which special token plays which role may differ (a base model's EOS can be `<|endoftext|>` where its instruct
+    teacher's is `<|im_end|>`): only the ids matter.
+    """
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    problems = []
+    if student_vocab != teacher_vocab:
+        only_student = sorted(set(student_vocab) - set(teacher_vocab))
+        only_teacher = sorted(set(teacher_vocab) - set(student_vocab))
+        remapped = sorted(t for t in set(student_vocab) & set(teacher_vocab) if student_vocab[t] != teacher_vocab[t])
+        problems.append(
+            f"vocabularies differ (student {len(student_vocab)} tokens, teacher {len(teacher_vocab)}): "
+            f"{len(only_student)} only in the student {only_student[:5]}, {len(only_teacher)} only in the teacher "
+            f"{only_teacher[:5]}, {len(remapped)} with different ids {remapped[:5]}"
+        )
+    for name, tokenizer, other_vocab in (("student", student, teacher_vocab), ("teacher", teacher, student_vocab)):
+        for token in tokenizer.all_special_tokens:
+            if other_vocab.get(token) != tokenizer.convert_tokens_to_ids(token):
+                problems.append(f"special token {token!r} of the {name} has id {tokenizer.convert_tokens_to_ids(token)}"
+                                f" there but {other_vocab.get(token)} in the other tokenizer")
+    if problems:
+        raise ValueError(
+            "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Distill from a "
+            "teacher of the same model family, or use TRL's GOLD trainer for cross-tokenizer distillation."
+        )

@@ -1,0 +1,587 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+import math
+import os
+import textwrap
+import warnings
+
+import torch
+from accelerate.utils import DistributedType
+from datasets import IterableDataset
+from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from trl import DistillationTrainer
+from trl.trainer import add_fused_lm_head
+from trl.trainer.utils import (
+    RepeatSampler,
+    maybe_gather_lm_head_ctx,
+    pad,
+    repeat_iterable_dataset,
+    shuffle_sequence_dict,
+    split_tensor_dict,
+)
+
+from .advantages import LOG_FLOAT32_TINY, compute_advantages, token_delta
+from .callbacks import TVScheduleCallback
+from .config import TVOPDConfig
+from .divergences import exact_reverse_kl_and_tv
+from .metrics import advantage_dispersion
+from .tokenizers import check_shared_vocabulary
+from .tv import tv_estimate
+
+
+# Model-specific logit post-processing that a plain projection through the output head would miss.
+_LOGIT_POSTPROCESSING_ATTRIBUTES = (
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+    "final_logit_softcapping",
+)
+
+
+class TVOPDTrainer(DistillationTrainer):
+    """
+    Trainer for TV-Regulated On-Policy Distillation (TV-OPD) and the sampled-token OPD baselines it is compared with.
+
+    The student samples completions; each sampled token y_t gets the log-ratio delta_t = log pi_T(y_t) - log
+    pi_old(y_t) against the teacher, and the student is updated with the PPO-clipped policy-gradient loss
+    -min(r_t A_t, clip(r_t, 1 - epsilon, 1 + epsilon_high) A_t), averaged over the optimizer step's active tokens. The
+    detached coefficient A_t is set by `args.advantage_mode` (see [`~tvopd_trl.advantages.compute_advantages`]); with
+    `"tv"` it is c_k * sign(delta_t), where c_k is set by the TV-EMA scheduler from the pooled on-policy TV estimate
+    [1 - exp(delta_t)]_+. Only the sampled token's log-probability is needed from either model, so unlike
+    [`~trl.DistillationTrainer`] no full-vocabulary divergence is computed.
+
+    Example:
+
+    ```python
+    >>> from tvopd_trl import TVOPDConfig, TVOPDTrainer
+
+    >>> trainer = TVOPDTrainer(
+    ...     model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+    ...     teacher_model="hbx/JustRL-DeepSeek-1.5B",
+    ...     args=TVOPDConfig(output_dir="tvopd", advantage_mode="tv"),
+    ...     train_dataset=dataset,
+    ... )
+    >>> trainer.train()
+    ```
+
+    Args:
+        model, teacher_model, args, train_dataset, eval_dataset, processing_class, callbacks, optimizers,
+        quantization_config, peft_config, tools:
+            As in [`~trl.DistillationTrainer`]. `args` must be a [`TVOPDConfig`]. Vision-language processors are
+            refused: the method is text-only.
+        teacher_processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
+            The teacher's tokenizer, compared with the student's at construction. When `None`, it is loaded from the
+            teacher's local directory if there is one; otherwise only `vocab_size` can be compared (a warning says
+            so).
+    """
+
+    _tag_names = ["trl", "distillation", "on-policy-distillation", "tv-opd"]
+    _name = "TV-OPD"
+    _paper = {
+        "title": "TV-Regulated OPD: Direction Matters in On-Policy Distillation",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @misc{xiao2026tvopd,
+                title        = {{TV-Regulated OPD: Direction Matters in On-Policy Distillation}},
+                author       = {Han Xiao and Yifan Niu and Dongyi Liu and Chang Luo and Jia Li},
+                year         = 2026,
+                note         = {Preprint},
+            }"""),
+    }
+
+    def __init__(
+        self,
+        model,
+        teacher_model=None,
+        args: TVOPDConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        teacher_processing_class: PreTrainedTokenizerBase | None = None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = TVOPDConfig(f"{name.split('/')[-1]}-TVOPD")
+        if not isinstance(args, TVOPDConfig):
+            raise TypeError(f"`args` must be a TVOPDConfig, got {type(args).__name__}.")
+        if teacher_model is None:
+            raise ValueError("TVOPDTrainer needs a `teacher_model` (a model or a path): it supplies every advantage.")
+        if args.use_vllm and tools:
+            raise ValueError(
+                "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "
+                "of multi-turn completions are not tracked. Use transformers generation (use_vllm=False) with tools."
+            )
+        teacher_source = teacher_model if isinstance(teacher_model, str) else None
+
+        super().__init__(
+            model=model,
+            teacher_model=teacher_model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+        )
+        if self._is_vlm:
+            raise ValueError(
+                "TVOPDTrainer is text-only, but the processing class is a multimodal processor "
+                f"({type(self.processing_class).__name__}). Pass the model's tokenizer instead."
+            )
+
+        student = self.accelerator.unwrap_model(self.model)
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        self._check_teacher(teacher, teacher_processing_class, teacher_source)
+        self._warn_on_off_policy_sampling()
+        if args.advantage_mode == "vopd" or args.log_exact_tv:
+            for config in (student.config.get_text_config(), teacher.config.get_text_config()):
+                found = [name for name in _LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
+                if found:
+                    raise ValueError(
+                        f"advantage_mode='vopd' and log_exact_tv=True need the exact next-token distribution, but "
+                        f"{config.model_type} post-processes its logits ({', '.join(found)}), which the exact "
+                        "divergence does not reproduce. Use another mode, or set log_exact_tv=False."
+                    )
+
+        # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
+        # decided by bf16 rounding.
+        add_fused_lm_head(
+            student.get_base_model() if hasattr(student, "get_base_model") else student,
+            temperature=self.temperature,
+            cast_lm_head_to_fp32=True,
+        )
+        add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
+
+        self.add_callback(
+            TVScheduleCallback(
+                alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
+            )
+        )
+
+        if self.use_vllm:
+            # Keep the sampler's log-probability of each sampled token (see `_generate_single_turn`)
+            self.vllm_generation.logprobs = 0
+        self._sampler_logps = None
+        self._truncated_prompts = 0
+        # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
+        self._rollout_scale = 1.0
+        self._rollout_tv = None
+        self._rollout_exact_tv = None
+        self._rollout_grad_norm_finite = True
+        self._step_stats = None
+        self._step_abs_delta = []
+        self._step_grad_norm = None
+        self._params_before_step = None
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Construction checks
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _check_teacher(self, teacher, teacher_processing_class, teacher_source):
+        if teacher_processing_class is None:
+            source = teacher_source or teacher.config._name_or_path
+            if source and os.path.isdir(source):
+                teacher_processing_class = AutoTokenizer.from_pretrained(source)
+        if teacher_processing_class is None:
+            warnings.warn(
+                "The teacher's tokenizer is unknown, so only vocab_size was compared with the student's. Pass "
+                "`teacher_processing_class` to check that both share one vocabulary.",
+                stacklevel=3,
+            )
+        else:
+            check_shared_vocabulary(self._tokenizer, teacher_processing_class)
+
+        student_dtype = next(self.accelerator.unwrap_model(self.model).parameters()).dtype
+        teacher_dtype = next(teacher.parameters()).dtype
+        if student_dtype != teacher_dtype:
+            warnings.warn(
+                f"The student is in {student_dtype} and the teacher in {teacher_dtype}. Log-probabilities are computed "
+                "in float32 either way, but a low-precision teacher shifts delta = log pi_T - log pi_old.",
+                stacklevel=3,
+            )
+
+    def _warn_on_off_policy_sampling(self):
+        args = self.args
+        generation_kwargs = args.generation_kwargs or {}
+        reasons = []
+        if args.top_p < 1.0:
+            reasons.append(f"top_p={args.top_p}")
+        if args.top_k:
+            reasons.append(f"top_k={args.top_k}")
+        if args.min_p:
+            reasons.append(f"min_p={args.min_p}")
+        if args.repetition_penalty != 1.0:
+            reasons.append(f"repetition_penalty={args.repetition_penalty}")
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if key in generation_kwargs:
+                reasons.append(f"generation_kwargs[{key!r}]={generation_kwargs[key]}")
+        if reasons:
+            warnings.warn(
+                f"Sampling with {', '.join(reasons)} draws tokens from a distribution other than pi_old at "
+                f"temperature {args.temperature}, which the TV estimate and the advantages assume. The paper samples "
+                "at temperature 1.0 and top-p 1.0.",
+                stacklevel=3,
+            )
+
+    @property
+    def _tv_scheduler(self):
+        # Looked up on every use: resuming rebuilds the callback from the checkpoint (a new instance).
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, TVScheduleCallback):
+                return callback.scheduler
+        raise RuntimeError("The TVScheduleCallback was removed from the trainer; TV-OPD cannot run without it.")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Rollout batching: one rollout batch feeds `steps_per_generation` optimizer steps, `num_iterations` times
+    # ----------------------------------------------------------------------------------------------------------------
+
+    @property
+    def _micro_batches_per_rollout(self):
+        return self.args.gradient_accumulation_steps * self.args.steps_per_generation
+
+    @property
+    def _micro_steps_per_rollout(self):
+        return self._micro_batches_per_rollout * self.args.num_iterations
+
+    def get_train_dataloader(self):
+        dataset = self.train_dataset
+        global_rollout_size = (
+            self.args.per_device_train_batch_size * self.accelerator.num_processes * self._micro_batches_per_rollout
+        )
+        if isinstance(dataset, IterableDataset):
+            if self.shuffle_dataset:
+                dataset = dataset.shuffle(seed=self.args.seed)
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=1,
+                batch_size=global_rollout_size,
+                repeat_count=self._micro_steps_per_rollout,
+            )
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self._micro_batches_per_rollout,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset=None):
+        # Each rollout batch is yielded once per micro-step that uses it; `_prepare_inputs` generates on the first.
+        return RepeatSampler(
+            data_source=self.train_dataset if dataset is None else dataset,
+            mini_repeat_count=1,
+            batch_size=self.args.per_device_train_batch_size
+            * self.accelerator.num_processes
+            * self._micro_batches_per_rollout,
+            repeat_count=self._micro_steps_per_rollout,
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return self._generate_and_score_completions(generation_batch)
+        micro_batches = self._micro_batches_per_rollout
+        # `_buffered_inputs` is None after resuming mid-rollout: the rollout is generated anew.
+        if self._step % self._micro_steps_per_rollout == 0 or self._buffered_inputs is None:
+            rollout = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
+            self._buffered_inputs = split_tensor_dict(rollout, micro_batches)
+            # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
+            # processes once, so every micro-batch divides by the same exact total.
+            local_counts = torch.stack(
+                [(batch["loss_mask"].bool() & ~batch["teacher_logps"].isnan()).sum() for batch in self._buffered_inputs]
+            )
+            step_counts = self.accelerator.reduce(
+                local_counts.view(self.args.steps_per_generation, -1).sum(dim=1), reduction="sum"
+            )
+            for index, batch in enumerate(self._buffered_inputs):
+                batch["step_num_items"] = step_counts[index // self.args.gradient_accumulation_steps]
+        return self._buffered_inputs[self._step % micro_batches]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Rollouts and their per-token signals
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _tokenize_prompts(self, prompts):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = self.args.max_prompt_length
+        if limit is not None:
+            self._truncated_prompts = sum(len(ids) > limit for ids in prompt_ids)
+            prompt_ids = [list(ids[-limit:]) for ids in prompt_ids]
+        return prompt_ids, images, multimodal_fields
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        if not self.use_vllm:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+        # The base path discards vLLM's log-probabilities; keep the sampled token's for the importance correction.
+        if self.state.global_step != self._last_loaded_step:
+            self.vllm_generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        _, completion_ids, logprobs, _ = self.vllm_generation.generate(
+            prompts=prompt_ids, images=images, num_generations=1
+        )
+        self._sampler_logps = [[token[0] for token in sequence] for sequence in logprobs]
+        return completion_ids
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        device = self.accelerator.device
+        truncated = torch.tensor(self._truncated_prompts, device=device, dtype=torch.float32)
+        self._metrics[mode]["prompts/truncated"].append(self.accelerator.reduce(truncated, reduction="sum").item())
+
+        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logits_to_keep = output["completion_ids"].size(1)
+        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+
+        with torch.no_grad():
+            output["teacher_logps"] = self._sampled_token_logps(
+                self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
+            )
+            # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the
+            # loss pass's own detached log-probabilities are pi_old, and this extra forward is skipped.
+            if self._micro_steps_per_rollout > self.args.gradient_accumulation_steps and mode == "train":
+                output["old_logps"] = self._sampled_token_logps(
+                    self.model, prompt_completion_ids, attention_mask, logits_to_keep
+                )
+            if self.args.advantage_mode == "vopd" or self.args.log_exact_tv:
+                output["reverse_kl"], output["exact_tv"] = self._exact_divergences(
+                    prompt_completion_ids, attention_mask, logits_to_keep
+                )
+        if self.use_vllm:
+            sampler_logps = [torch.tensor(logps, dtype=torch.float32) for logps in self._sampler_logps]
+            output["sampler_logps"] = pad(sampler_logps, padding_value=0.0, padding_side="right").to(device)
+        output["loss_mask"] = loss_mask
+        return output
+
+    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
+        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks."""
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        chunk = self.args.per_device_train_batch_size
+        logps = []
+        for start in range(0, input_ids.size(0), chunk):
+            rows = slice(start, start + chunk)
+            with self.accelerator.autocast():
+                outputs = model(
+                    input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows], fused_lm_head=True
+                )
+            logps.append(outputs.log_probs[:, -logits_to_keep:].float())
+        return torch.cat(logps)
+
+    def _exact_divergences(self, input_ids, attention_mask, logits_to_keep):
+        hidden_states, heads = [], []
+        for wrapped in (self.model_wrapped, self.teacher_model):
+            unwrapped = self.accelerator.unwrap_model(wrapped)
+            # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the backbone.
+            with self.accelerator.autocast():
+                hidden = self._forward_redirection(
+                    wrapped, unwrapped, self._get_last_hidden_state, unwrapped, input_ids, attention_mask, logits_to_keep
+                )
+            hidden_states.append(hidden)
+            heads.append(unwrapped.get_output_embeddings())
+        params = [p for head in heads for p in (head.weight, head.bias) if p is not None]
+        with maybe_gather_lm_head_ctx(*params):
+            return exact_reverse_kl_and_tv(*hidden_states, *heads, temperature=self.temperature)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # The loss
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _shuffle_generator(self):
+        # Seeded by (seed, process, rollout, micro-batch): each pass over a rollout sees the same permutation.
+        rollout_index = self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations)
+        micro_index = self._step % self._micro_batches_per_rollout
+        seed = hash((self.args.seed, self.accelerator.process_index, rollout_index, micro_index)) % (2**63)
+        return torch.Generator().manual_seed(seed)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits_to_keep = inputs["completion_ids"].size(1)
+
+        logps = self._sampled_token_logps(model, input_ids, attention_mask, logits_to_keep)
+        old_logps = inputs.get("old_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+        teacher_logps = inputs["teacher_logps"]
+        delta, active = token_delta(teacher_logps, old_logps, inputs["loss_mask"])
+        active = active & torch.isfinite(logps).detach()
+
+        first_pass = mode == "train" and (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
+        if mode == "train" and self._step % self._micro_steps_per_rollout == 0:
+            self._rollout_scale = self._tv_scheduler.scale  # c_k: read once, held for the whole rollout batch
+        scale = self._rollout_scale if mode == "train" else self._tv_scheduler.scale
+        advantages = compute_advantages(
+            args.advantage_mode,
+            teacher_logps=teacher_logps,
+            old_logps=old_logps,
+            mask=active,
+            scale=scale,
+            reverse_kl=inputs.get("reverse_kl"),
+            clip_low=args.advantage_clip_low,
+            clip_high=args.advantage_clip_high,
+            gamma=args.power_gamma,
+            beta=args.relative_power_beta,
+            generator=self._shuffle_generator() if args.advantage_mode == "shuffle" else None,
+        )
+
+        # Inactive tokens get ratio 1 from constants, so a non-finite log-probability there cannot reach a gradient.
+        ratio = torch.exp(torch.where(active, logps, 0.0) - torch.where(active, old_logps, 0.0))
+        clipped_ratio = ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high)
+        per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
+        if self.use_vllm:
+            log_gap = torch.where(active, old_logps - inputs["sampler_logps"], 0.0)
+            if args.vllm_importance_sampling_correction:
+                per_token_loss = per_token_loss * log_gap.exp().clamp(max=args.vllm_importance_sampling_cap)
+        per_token_loss = torch.where(active, per_token_loss, 0.0)
+
+        if mode == "train":
+            # Processes average their gradients, so each divides by its share of the step's global token count.
+            normalizer = inputs["step_num_items"].clamp(min=1) / self.accelerator.num_processes
+        else:
+            normalizer = active.sum().clamp(min=1)
+        loss = per_token_loss.sum() / normalizer
+
+        with torch.no_grad():
+            is_low = (ratio < 1 - args.epsilon) & (advantages < 0) & active
+            is_high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & active
+            finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
+            stats = torch.stack(
+                [
+                    active.sum(),
+                    is_low.sum(),
+                    is_high.sum(),
+                    torch.where(active, -finite_delta, 0.0).sum(),
+                    (active & (delta > 0)).sum(),
+                    (inputs["loss_mask"].bool() & ~active).sum(),
+                    per_token_loss.detach().sum(),
+                    log_gap.abs().sum() if self.use_vllm else logps.new_zeros(()),
+                ]
+            ).float()
+            if mode == "train":
+                self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+                self._step_abs_delta.append(finite_delta[active].abs())
+                if first_pass:
+                    u, n = tv_estimate(teacher_logps, old_logps, active)
+                    tv_sums = torch.stack([u.float(), n.float()])
+                    self._rollout_tv = tv_sums if self._rollout_tv is None else self._rollout_tv + tv_sums
+                    if "exact_tv" in inputs:
+                        exact = torch.stack([torch.where(active, inputs["exact_tv"], 0.0).sum(), n.float()])
+                        previous = self._rollout_exact_tv
+                        self._rollout_exact_tv = exact if previous is None else previous + exact
+            else:
+                self._log_step_metrics("eval", self.accelerator.reduce(stats, reduction="sum"))
+                u, n = tv_estimate(teacher_logps, old_logps, active)
+                u, n = self.accelerator.reduce(torch.stack([u.float(), n.float()]), reduction="sum").tolist()
+                self._metrics["eval"]["tv/estimate"].append(u / n if n > 0 else float("nan"))
+
+        return (loss, None) if return_outputs else loss
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Around the optimizer step: skip non-finite gradients, then update the scheduler and log
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _trainable_parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @staticmethod
+    def _local_tensor(param):
+        if isinstance(param, DTensor):
+            return param.to_local()
+        return getattr(param, "ds_tensor", param)  # ZeRO-3 keeps the local partition in `ds_tensor`
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # Called by `Trainer` right before `optimizer.step()`, with the pre-clip norm (computed here when
+        # `max_grad_norm` is 0).
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._step_grad_norm = float(grad_norm)
+        if not math.isfinite(self._step_grad_norm):
+            # Torch optimizers skip parameters without a gradient: no update, no moment or weight-decay change.
+            model.zero_grad(set_to_none=True)
+            self._rollout_grad_norm_finite = False
+        self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
+        return grad_norm
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        # Runs after every optimizer step (and once more at the end of an epoch), before logging and checkpointing.
+        if self._params_before_step is not None:
+            self._finish_optimizer_step()
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
+    def _finish_optimizer_step(self):
+        device = self.accelerator.device
+        squared_update = sum(
+            (self._local_tensor(p).detach().float() - before.float()).square().sum()
+            for p, before in zip(self._trainable_parameters(), self._params_before_step, strict=True)
+        )
+        squared_update = torch.as_tensor(squared_update, device=device, dtype=torch.float32)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            squared_update = self.accelerator.reduce(squared_update, reduction="sum")
+        self._params_before_step = None
+        metrics = self._metrics["train"]
+        metrics["update/norm"].append(squared_update.sqrt().item())
+        metrics["update/skipped"].append(float(not math.isfinite(self._step_grad_norm)))
+        metrics["tv/scale"].append(self._rollout_scale)
+
+        if self._step_stats is not None:
+            self._log_step_metrics("train", self.accelerator.reduce(self._step_stats, reduction="sum"))
+        abs_delta = torch.cat(self._step_abs_delta) if self._step_abs_delta else torch.zeros(0, device=device)
+        abs_delta = self.accelerator.gather(self.accelerator.pad_across_processes(abs_delta, pad_index=-1))
+        for name, value in advantage_dispersion(abs_delta[abs_delta >= 0]).items():
+            metrics[f"advantage/{name}"].append(value)
+        self._step_stats, self._step_abs_delta = None, []
+
+        if self._step % self._micro_steps_per_rollout == 0:
+            self._finish_rollout()
+
+    def _finish_rollout(self):
+        metrics = self._metrics["train"]
+        scheduler = self._tv_scheduler
+        tv_sums = self._rollout_tv if self._rollout_tv is not None else torch.zeros(2, device=self.accelerator.device)
+        u, n = self.accelerator.reduce(tv_sums, reduction="sum").tolist()
+        scheduler.update(u, n, grad_norm=None if self._rollout_grad_norm_finite else float("nan"))
+        metrics["tv/estimate"].append(u / n if n > 0 else float("nan"))
+        metrics["tv/ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
+        metrics["tv/reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
+        if self._rollout_exact_tv is not None:
+            exact_sum, count = self.accelerator.reduce(self._rollout_exact_tv, reduction="sum").tolist()
+            metrics["tv/exact"].append(exact_sum / count if count > 0 else float("nan"))
+        self._rollout_tv, self._rollout_exact_tv, self._rollout_grad_norm_finite = None, None, True
+
+    def _log_step_metrics(self, mode, stats):
+        (count, low, high, neg_delta, positive, nonfinite, loss_sum, log_gap) = stats.tolist()
+        metrics = self._metrics[mode]
+        ratio = (lambda value: value / count) if count > 0 else (lambda value: float("nan"))
+        metrics["clip_ratio/low"].append(ratio(low))
+        metrics["clip_ratio/high"].append(ratio(high))
+        metrics["kl/reverse_estimate"].append(ratio(neg_delta))
+        metrics["advantage/positive_fraction"].append(ratio(positive))
+        metrics["tv/nonfinite_tokens"].append(nonfinite)
+        metrics["policy_loss"].append(ratio(loss_sum))
+        if self.use_vllm:
+            metrics["vllm/logprob_gap"].append(ratio(log_gap))

@@ -1,0 +1,109 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The on-policy TV estimate and the TV-EMA scheduler that sets TV-OPD's shared scale c_k (SPEC §4)."""
+
+import math
+
+import torch
+
+from .advantages import token_delta
+
+
+def tv_estimate(teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor):
+    """
+    Pooled on-policy TV estimate of one batch, as a numerator and a token count.
+
+    Each active token contributes X_t = [1 - exp(delta_t)]_+, whose conditional mean is the exact TV between the rollout
+    student and the teacher at that state (paper, eq. tv-estimator). It is evaluated as `-expm1(min(delta, 0))`, which
+    never exponentiates a large positive log-ratio and keeps precision near zero. Non-finite tokens (NaN, +inf) are
+    left out of both sums; delta = -inf gives X = 1.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: float32 sum of X over active tokens, and the int64 active-token count.
+        Sum both over micro-batches and processes before dividing: the estimate pools tokens.
+    """
+    delta, active = token_delta(teacher_logps, old_logps, mask)
+    x = -torch.expm1(delta.clamp(max=0.0))
+    return torch.where(active, x, 0.0).sum(), active.sum()
+
+
+class TVScheduler:
+    """
+    TV-EMA scheduler of TV-OPD: c = clip(((D_bar + eps) / (D_ref + eps)) ** alpha, min_scale, 1).
+
+    `scale` is 1 until the first valid update. Each valid `update` folds the step's pooled estimate D_hat = u / n into
+    the EMA D_bar (the first one also fixes the reference D_ref); an empty step (n == 0), a non-finite estimate or a
+    non-finite gradient norm leaves the state unchanged.
+
+    Args:
+        alpha (`float`, *optional*, defaults to `0.5`):
+            Attenuation exponent, >= 0. `0` keeps c = 1.
+        ema_decay (`float`, *optional*, defaults to `0.95`):
+            EMA retention, in [0, 1).
+        min_scale (`float`, *optional*, defaults to `0.1`):
+            Floor of c, in (0, 1].
+        eps (`float`, *optional*, defaults to `1e-5`):
+            Ratio guard, > 0.
+    """
+
+    def __init__(self, alpha: float = 0.5, ema_decay: float = 0.95, min_scale: float = 0.1, eps: float = 1e-5):
+        validate_tv_hyperparameters(alpha, ema_decay, min_scale, eps)
+        self.alpha = alpha
+        self.ema_decay = ema_decay
+        self.min_scale = min_scale
+        self.eps = eps
+        self.ema: float | None = None
+        self.reference: float | None = None
+        self.num_updates = 0
+
+    @property
+    def scale(self) -> float:
+        if self.reference is None:
+            return 1.0
+        ratio = (self.ema + self.eps) / (self.reference + self.eps)
+        return min(max(ratio**self.alpha, self.min_scale), 1.0)
+
+    def update(self, u, n, grad_norm=None) -> bool:
+        """Folds one step's pooled (sum, count) into the state. Returns whether the state changed."""
+        u, n = float(u), float(n)
+        if n == 0 or (grad_norm is not None and not math.isfinite(float(grad_norm))):
+            return False
+        estimate = u / n
+        if not math.isfinite(estimate):
+            return False
+        if self.reference is None:
+            self.reference = self.ema = estimate
+        else:
+            self.ema = self.ema_decay * self.ema + (1.0 - self.ema_decay) * estimate
+        self.num_updates += 1
+        return True
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "reference": self.reference, "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema = state["ema"]
+        self.reference = state["reference"]
+        self.num_updates = state["num_updates"]
+
+
+def validate_tv_hyperparameters(alpha: float, ema_decay: float, min_scale: float, eps: float) -> None:
+    if not alpha >= 0:
+        raise ValueError(f"tv_alpha must be >= 0, got {alpha}. Use 0 to keep c_k = 1 (Sign-TV).")
+    if not 0 <= ema_decay < 1:
+        raise ValueError(f"tv_ema_decay must be in [0, 1), got {ema_decay}. The paper uses 0.95.")
+    if not 0 < min_scale <= 1:
+        raise ValueError(f"tv_min_scale must be in (0, 1], got {min_scale}. The paper uses 0.1.")
+    if not eps > 0:
+        raise ValueError(f"tv_eps must be > 0, got {eps}. The paper uses 1e-5.")
