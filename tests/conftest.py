@@ -85,7 +85,9 @@ def model_dirs(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def prompts():
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q, _ in arithmetic_problems(64, seed=1)]})
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": q}] for q, _ in arithmetic_problems(64, seed=1)]}
+    )
 
 
 def tiny_config(output_dir, **overrides):

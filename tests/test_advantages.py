@@ -209,11 +209,9 @@ def test_mode_matches_reference_formula(mode, batch):
 
 @pytest.mark.parametrize("mode", FORMULA_MODES)
 def test_mode_reference_with_clip_low_floor(mode):
-    # Every mode that uses |delta| replaces delta = -inf by clip_low when it is set.
+    # Every mode that uses |delta| replaces delta = -inf by clip_low when it is set; power, sign and tv ignore it.
     teacher, old, mask, reverse_kl = neg_inf_batch()
-    overrides = {} if mode == "clip" else {"clip_low": -5.0}
-    if mode in ("power", "sign", "tv"):
-        overrides = {}  # these modes take no clip_low
+    overrides = {"clip_low": -5.0}
     actual = advantages(mode, teacher, old, mask, reverse_kl, **overrides)
     expected = reference(mode, teacher, old, mask, reverse_kl, **reference_kwargs(mode, **overrides))
     assert_matches(actual, expected)

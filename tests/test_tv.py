@@ -207,7 +207,7 @@ def test_large_positive_delta_gives_zero_without_overflow():
 
 def test_tiny_negative_delta_keeps_relative_precision():
     x = token_x(-1e-12, 0.0)
-    assert x == pytest.approx(1e-12, rel=1e-6)
+    assert x == pytest.approx(1e-12, rel=1e-6, abs=0)  # default abs tolerance is 1e-12: disable it
 
 
 def test_nan_inf_and_masked_tokens_are_excluded_from_sum_and_count():

@@ -179,6 +179,8 @@ def compute_advantages(
     Returns:
         `torch.Tensor`: `(B, T)` float32 coefficients, detached, zero on inactive and non-finite tokens.
     """
+    teacher_logps, old_logps = teacher_logps.detach(), old_logps.detach()
+    reverse_kl = None if reverse_kl is None else reverse_kl.detach()
     delta, active = token_delta(teacher_logps, old_logps, mask)
 
     def require(name, value):

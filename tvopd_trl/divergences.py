@@ -47,8 +47,12 @@ def exact_reverse_kl_and_tv(
         rows = slice(start, start + chunk_size)
         # Outside autocast: the projection itself must run in float32.
         with torch.autocast(student_hidden.device.type, enabled=False):
-            log_q = F.log_softmax(F.linear(student_hidden[rows].float(), student_weight, student_bias) / temperature, -1)
-            log_p = F.log_softmax(F.linear(teacher_hidden[rows].float(), teacher_weight, teacher_bias) / temperature, -1)
+            log_q = F.log_softmax(
+                F.linear(student_hidden[rows].float(), student_weight, student_bias) / temperature, -1
+            )
+            log_p = F.log_softmax(
+                F.linear(teacher_hidden[rows].float(), teacher_weight, teacher_bias) / temperature, -1
+            )
         q = log_q.exp()
         reverse_kl[rows] = (q * (log_q - log_p)).sum(-1)
         tv[rows] = 0.5 * (q - log_p.exp()).abs().sum(-1)

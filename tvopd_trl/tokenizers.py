@@ -37,8 +37,10 @@ def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTraine
     for name, tokenizer, other_vocab in (("student", student, teacher_vocab), ("teacher", teacher, student_vocab)):
         for token in tokenizer.all_special_tokens:
             if other_vocab.get(token) != tokenizer.convert_tokens_to_ids(token):
-                problems.append(f"special token {token!r} of the {name} has id {tokenizer.convert_tokens_to_ids(token)}"
-                                f" there but {other_vocab.get(token)} in the other tokenizer")
+                problems.append(
+                    f"special token {token!r} of the {name} has id {tokenizer.convert_tokens_to_ids(token)}"
+                    f" there but {other_vocab.get(token)} in the other tokenizer"
+                )
     if problems:
         raise ValueError(
             "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Distill from a "

@@ -18,10 +18,9 @@ import textwrap
 import warnings
 
 import torch
-from accelerate.utils import DistributedType
 from datasets import IterableDataset
 from torch.distributed.tensor import DTensor
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from trl import DistillationTrainer
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
@@ -50,6 +49,17 @@ _LOGIT_POSTPROCESSING_ATTRIBUTES = (
     "logits_scaling",
     "final_logit_softcapping",
 )
+
+
+class _AfterOptimizerStep(TrainerCallback):
+    """Runs the trainer's post-update bookkeeping right after `optimizer.step()`, before any `on_step_end`, logging or
+    checkpoint, so that all of them see the scheduler state of the finished step."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._finish_optimizer_step()
 
 
 class TVOPDTrainer(DistillationTrainer):
@@ -130,6 +140,11 @@ class TVOPDTrainer(DistillationTrainer):
                 "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "
                 "of multi-turn completions are not tracked. Use transformers generation (use_vllm=False) with tools."
             )
+        if isinstance(processing_class, ProcessorMixin):
+            raise ValueError(
+                "TVOPDTrainer is text-only, but the processing class is a multimodal processor "
+                f"({type(processing_class).__name__}). Pass the model's tokenizer instead."
+            )
         teacher_source = teacher_model if isinstance(teacher_model, str) else None
 
         super().__init__(
@@ -145,10 +160,10 @@ class TVOPDTrainer(DistillationTrainer):
             peft_config=peft_config,
             tools=tools,
         )
-        if self._is_vlm:
+        if self._is_vlm:  # loaded by the base class when `processing_class` was None
             raise ValueError(
-                "TVOPDTrainer is text-only, but the processing class is a multimodal processor "
-                f"({type(self.processing_class).__name__}). Pass the model's tokenizer instead."
+                "TVOPDTrainer is text-only, but the model's processing class is a multimodal processor "
+                f"({type(self.processing_class).__name__}). Pass the model's tokenizer as `processing_class`."
             )
 
         student = self.accelerator.unwrap_model(self.model)
@@ -174,6 +189,7 @@ class TVOPDTrainer(DistillationTrainer):
         )
         add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
 
+        self.add_callback(_AfterOptimizerStep(self))
         self.add_callback(
             TVScheduleCallback(
                 alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
@@ -311,7 +327,10 @@ class TVOPDTrainer(DistillationTrainer):
             # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
             # processes once, so every micro-batch divides by the same exact total.
             local_counts = torch.stack(
-                [(batch["loss_mask"].bool() & ~batch["teacher_logps"].isnan()).sum() for batch in self._buffered_inputs]
+                [
+                    (batch["loss_mask"].bool() & ~batch["teacher_logps"].isnan()).sum()
+                    for batch in self._buffered_inputs
+                ]
             )
             step_counts = self.accelerator.reduce(
                 local_counts.view(self.args.steps_per_generation, -1).sum(dim=1), reduction="sum"
@@ -387,7 +406,10 @@ class TVOPDTrainer(DistillationTrainer):
             rows = slice(start, start + chunk)
             with self.accelerator.autocast():
                 outputs = model(
-                    input_ids=input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows], fused_lm_head=True
+                    input_ids=input_ids[rows],
+                    attention_mask=attention_mask[rows],
+                    labels=labels[rows],
+                    fused_lm_head=True,
                 )
             logps.append(outputs.log_probs[:, -logits_to_keep:].float())
         return torch.cat(logps)
@@ -399,7 +421,13 @@ class TVOPDTrainer(DistillationTrainer):
             # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the backbone.
             with self.accelerator.autocast():
                 hidden = self._forward_redirection(
-                    wrapped, unwrapped, self._get_last_hidden_state, unwrapped, input_ids, attention_mask, logits_to_keep
+                    wrapped,
+                    unwrapped,
+                    self._get_last_hidden_state,
+                    unwrapped,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
                 )
             hidden_states.append(hidden)
             heads.append(unwrapped.get_output_embeddings())
@@ -526,12 +554,6 @@ class TVOPDTrainer(DistillationTrainer):
             self._rollout_grad_norm_finite = False
         self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
         return grad_norm
-
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
-        # Runs after every optimizer step (and once more at the end of an epoch), before logging and checkpointing.
-        if self._params_before_step is not None:
-            self._finish_optimizer_step()
-        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
 
     def _finish_optimizer_step(self):
         device = self.accelerator.device

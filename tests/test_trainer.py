@@ -1,0 +1,498 @@
+"""End-to-end tests of TVOPDTrainer on tiny Qwen2 models built from configs (CPU, one process)."""
+
+import copy
+import math
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from tvopd_trl import ADVANTAGE_MODES, TVOPDConfig, TVOPDTrainer, TVScheduleCallback, compute_advantages
+
+from .conftest import build_model, tiny_config
+
+
+SPEC_METRICS = [
+    "tv/estimate",
+    "tv/ema",
+    "tv/reference",
+    "tv/scale",
+    "update/norm",
+    "advantage/abs_median",
+    "advantage/abs_p99",
+    "advantage/abs_max",
+    "advantage/positive_fraction",
+    "advantage/top1pct_energy",
+    "advantage/top10pct_energy",
+    "clip_ratio/low",
+    "clip_ratio/high",
+    "kl/reverse_estimate",
+    "tv/nonfinite_tokens",
+    "prompts/truncated",
+]
+
+
+def step_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+
+
+def parameters(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ADVANTAGE_MODES)
+def test_every_mode_trains_and_changes_the_student(mode, model_dirs, prompts, tokenizer, tmp_path):
+    args = tiny_config(tmp_path, advantage_mode=mode, max_steps=2, log_exact_tv=True)
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    before = parameters(trainer.model)
+    trainer.train()
+    logs = step_logs(trainer)
+    assert len(logs) == 2
+    for entry in logs:
+        assert math.isfinite(entry["loss"])
+        for name in SPEC_METRICS + ["tv/exact"]:
+            assert name in entry, name
+        assert 0 <= entry["tv/estimate"] <= 1 and 0 <= entry["tv/exact"] <= 1
+    changed = [name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])]
+    assert changed, "no parameter changed"
+    teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"])
+    for name, p in trainer.accelerator.unwrap_model(trainer.teacher_model).named_parameters():
+        assert torch.equal(p, dict(teacher.named_parameters())[name]), "the teacher must stay frozen"
+
+
+def test_lora_student_trains_only_the_adapter(model_dirs, prompts, tokenizer, tmp_path):
+    args = tiny_config(tmp_path, max_steps=2, advantage_mode="sign", learning_rate=5e-2)
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    before = parameters(trainer.model)
+    trainer.train()
+    changed = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all("lora_" in name for name in changed)
+    assert any("lora_A" in name for name in changed) or any("lora_B" in name for name in changed)
+
+
+def test_loss_matches_the_direct_formula(model_dirs, prompts, tokenizer, tmp_path):
+    """compute_loss on one rollout equals -mean(A_t) (ratio 1) and its gradient equals that of the direct surrogate."""
+    args = tiny_config(tmp_path, advantage_mode="raw", max_steps=1)
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._prepare_inputs(batch)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    grads = torch.autograd.grad(loss, [p for p in trainer.model.parameters() if p.requires_grad])
+
+    # Direct formula with full logits: A = log p_T - log q (detached), loss = -sum(A * exp(logq - logq.detach())) / N
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    completion_len = inputs["completion_ids"].size(1)
+
+    def sampled_logps(model):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -completion_len - 1 : -1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        teacher_logps = sampled_logps(trainer.accelerator.unwrap_model(trainer.teacher_model))
+    torch.testing.assert_close(inputs["teacher_logps"], teacher_logps, rtol=1e-5, atol=1e-5)
+    logps = sampled_logps(student)
+    mask = inputs["completion_mask"].bool()
+    advantage = (teacher_logps - logps.detach()) * mask
+    expected = -(advantage * torch.exp(logps - logps.detach()) * mask).sum() / mask.sum()
+    expected_grads = torch.autograd.grad(expected, [p for p in student.parameters() if p.requires_grad])
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+class RecordingTrainer(TVOPDTrainer):
+    """Records every training micro-batch's signals, to recompute the pooled statistics independently."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.model.training:
+            self.recorded.append(
+                {
+                    "global_step": self.state.global_step,
+                    "teacher_logps": inputs["teacher_logps"].clone(),
+                    "old_logps": inputs.get("old_logps"),
+                    "mask": inputs["loss_mask"].clone(),
+                    "prompt_len": inputs["prompt_mask"].sum(1).clone(),
+                }
+            )
+        return loss
+
+    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
+        logps = super()._sampled_token_logps(model, input_ids, attention_mask, logits_to_keep)
+        if model is self.model_wrapped and torch.is_grad_enabled():
+            self.last_loss_logps = logps.detach().clone()
+        return logps
+
+
+def test_tv_estimate_pools_tokens_over_micro_batches(model_dirs, prompts, tokenizer, tmp_path):
+    args = tiny_config(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2)
+    trainer = RecordingTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.recorded = []
+    logps_per_micro_batch = []
+    original = trainer.compute_loss
+
+    def compute_loss(*a, **k):
+        loss = original(*a, **k)
+        logps_per_micro_batch.append(trainer.last_loss_logps)
+        return loss
+
+    trainer.compute_loss = compute_loss
+    trainer.train()
+    logs = step_logs(trainer)
+    for step in range(2):
+        records = [r for r in trainer.recorded if r["global_step"] == step]
+        assert len(records) == 2
+        u = n = 0.0
+        for record, logps in zip(records, logps_per_micro_batch[2 * step : 2 * step + 2], strict=True):
+            x = (1 - torch.exp(record["teacher_logps"] - logps)).clamp(min=0) * record["mask"]
+            u, n = u + x.sum().item(), n + record["mask"].sum().item()
+        assert logs[step]["tv/estimate"] == pytest.approx(u / n, rel=1e-5)
+
+
+def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_student(tokenizer, prompts, tmp_path):
+    student = build_model(tokenizer, seed=0)
+    teacher = build_model(tokenizer, seed=1)
+
+    class TeacherBecomesStudent(TrainerCallback):
+        # After every step from the first on, the teacher is a copy of the student: the next rollout has TV = 0.
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer.teacher_model.load_state_dict(copy.deepcopy(trainer.model.state_dict()))
+
+    args = tiny_config(tmp_path, max_steps=10, tv_ema_decay=0.5, tv_min_scale=0.1, learning_rate=1e-3)
+    trainer = TVOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        teacher_processing_class=tokenizer,
+        callbacks=[TeacherBecomesStudent()],
+    )
+    trainer.train()
+    logs = step_logs(trainer)
+    reference = logs[0]["tv/estimate"]
+    assert logs[0]["tv/scale"] == 1.0 and reference > 0
+    assert all(entry["tv/estimate"] == 0.0 for entry in logs[1:])
+    for k, entry in enumerate(logs[1:], start=1):
+        ema = reference * 0.5**k
+        assert entry["tv/ema"] == pytest.approx(ema, rel=1e-9)
+        expected_scale = max(((reference * 0.5 ** (k - 1) + 1e-5) / (reference + 1e-5)) ** 0.5, 0.1)
+        assert entry["tv/scale"] == pytest.approx(expected_scale, rel=1e-9)
+    scales = [entry["tv/scale"] for entry in logs]
+    assert scales == sorted(scales, reverse=True) and scales[-1] == 0.1
+
+
+def test_two_iterations_reuse_rollouts_and_the_ppo_clip_bites(model_dirs, prompts, tokenizer, tmp_path):
+    args = tiny_config(tmp_path, num_iterations=2, max_steps=4, learning_rate=3e-2, advantage_mode="sign")
+    trainer = RecordingTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.recorded = []
+    trainer.train()
+    logs = step_logs(trainer)
+    # Steps 0 and 1 use rollout A, steps 2 and 3 rollout B: pi_old and the prompts are frozen per rollout.
+    first, second = trainer.recorded[0], trainer.recorded[1]
+    assert first["old_logps"] is not None and torch.equal(first["old_logps"], second["old_logps"])
+    assert not torch.equal(trainer.recorded[1]["old_logps"], trainer.recorded[2]["old_logps"])
+    for passes in (logs[0:2], logs[2:4]):
+        assert passes[0]["clip_ratio/low"] == 0.0 and passes[0]["clip_ratio/high"] == 0.0  # ratio is 1 on pass one
+        assert passes[1]["clip_ratio/low"] + passes[1]["clip_ratio/high"] > 0
+    # The scheduler updates once per rollout, after its last step: the estimate is logged on steps 2 and 4 only.
+    assert ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
+
+
+def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(model_dirs, prompts, tokenizer, tmp_path):
+    args = tiny_config(tmp_path, steps_per_generation=2, max_steps=4, per_device_train_batch_size=2)
+    trainer = RecordingTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.recorded = []
+    trainer.train()
+    logs = step_logs(trainer)
+    assert [entry["tv/scale"] for entry in logs][0:2] == [1.0, 1.0]
+    assert ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
+    # Two different halves of one rollout batch, both scored by the frozen pi_old before the first update.
+    assert all(record["old_logps"] is not None for record in trainer.recorded)
+
+
+def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(model_dirs, prompts, tokenizer, tmp_path):
+    class PoisonedTrainer(TVOPDTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss * float("nan") if self.state.global_step == 1 else loss
+
+    class Snapshots(TrainerCallback):
+        def __init__(self):
+            self.params, self.states = [], []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.params.append(parameters(model))
+            self.states.append(dict(trainer._tv_scheduler.state_dict()))
+
+    snapshots = Snapshots()
+    args = tiny_config(tmp_path, max_steps=3, max_grad_norm=0.0)
+    trainer = PoisonedTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        callbacks=[snapshots],
+    )
+    trainer.train()
+    logs = step_logs(trainer)
+    assert math.isnan(logs[1]["grad_norm"]) and logs[1]["update/skipped"] == 1.0 and logs[1]["update/norm"] == 0.0
+    for name, value in snapshots.params[1].items():
+        assert torch.equal(value, snapshots.params[0][name]), name
+    assert snapshots.states[1] == snapshots.states[0]
+    assert snapshots.states[2]["num_updates"] == 2 and logs[2]["update/norm"] > 0
+
+
+def test_update_norm_is_the_realised_parameter_change(model_dirs, prompts, tokenizer, tmp_path):
+    class Snapshots(TrainerCallback):
+        def __init__(self):
+            self.params = []
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            self.params.append(parameters(model))
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            self.params.append(parameters(model))
+
+    snapshots = Snapshots()
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=tiny_config(tmp_path, max_steps=2),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        callbacks=[snapshots],
+    )
+    trainer.train()
+    for step, entry in enumerate(step_logs(trainer)):
+        before, after = snapshots.params[step], snapshots.params[step + 1]
+        norm = math.sqrt(sum((after[n] - before[n]).double().square().sum().item() for n in before))
+        assert entry["update/norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_evaluate_never_touches_the_scheduler(model_dirs, prompts, tokenizer, tmp_path):
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=tiny_config(tmp_path, max_steps=2, per_device_eval_batch_size=4),
+        train_dataset=prompts,
+        eval_dataset=prompts.select(range(8)),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    state = dict(trainer._tv_scheduler.state_dict())
+    metrics = trainer.evaluate()
+    assert trainer._tv_scheduler.state_dict() == state
+    assert math.isfinite(metrics["eval_loss"]) and 0 <= metrics["eval_tv/estimate"] <= 1
+
+
+def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(model_dirs, prompts, tokenizer, tmp_path):
+    def make_trainer(output_dir):
+        return TVOPDTrainer(
+            model=model_dirs["student"],
+            teacher_model=model_dirs["teacher"],
+            args=tiny_config(output_dir, max_steps=6, save_strategy="steps", save_steps=3, tv_ema_decay=0.5),
+            train_dataset=prompts,
+            processing_class=tokenizer,
+        )
+
+    full = make_trainer(tmp_path / "full")
+    full.train()
+    resumed = make_trainer(tmp_path / "full")  # same output_dir: resume from its checkpoint-3
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+
+    assert resumed._tv_scheduler.state_dict() == full._tv_scheduler.state_dict()
+    assert resumed._tv_scheduler.num_updates == 6
+    tv_keys = ["tv/scale", "tv/estimate", "tv/ema", "tv/reference"]
+    full_logs = {entry["step"]: entry for entry in step_logs(full)}
+    resumed_logs = [entry for entry in step_logs(resumed) if entry["step"] > 3]
+    assert [entry["step"] for entry in resumed_logs] == [4, 5, 6]
+    for entry in resumed_logs:
+        assert {k: entry[k] for k in tv_keys} == {k: full_logs[entry["step"]][k] for k in tv_keys}
+
+
+def test_resume_restores_the_callback_from_the_checkpoint(model_dirs, prompts, tokenizer, tmp_path):
+    args = tiny_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    saved = trainer.state.stateful_callbacks["TVScheduleCallback"]["args"]["scheduler_state"]
+    assert saved == trainer._tv_scheduler.state_dict() and saved["num_updates"] == 2
+    restored = TVScheduleCallback(**trainer.state.stateful_callbacks["TVScheduleCallback"]["args"])
+    assert restored.scheduler.scale == trainer._tv_scheduler.scale
+
+
+def test_long_prompts_are_left_truncated_and_counted(model_dirs, prompts, tokenizer, tmp_path):
+    trainer = RecordingTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=tiny_config(tmp_path, max_steps=1, max_prompt_length=5),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.recorded = []
+    trainer.train()
+    assert step_logs(trainer)[0]["prompts/truncated"] == 4
+    assert trainer.recorded[0]["prompt_len"].max().item() == 5
+
+
+def test_a_vocabulary_mismatch_is_refused(model_dirs, prompts, tokenizer, tmp_path):
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="vocabularies differ.*0 only in the student.*1 only in the teacher \\['<extra>'\\]"):
+        TVOPDTrainer(
+            model=model_dirs["student"],
+            teacher_model=model_dirs["teacher"],
+            args=tiny_config(tmp_path),
+            train_dataset=prompts,
+            processing_class=tokenizer,
+            teacher_processing_class=other,
+        )
+
+
+def test_off_policy_sampling_and_dtype_mismatch_warn(model_dirs, prompts, tokenizer, tmp_path):
+    teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"], dtype=torch.bfloat16)
+    with pytest.warns(UserWarning) as record:
+        TVOPDTrainer(
+            model=model_dirs["student"],
+            teacher_model=teacher,
+            args=tiny_config(tmp_path, top_p=0.9, top_k=20),
+            train_dataset=prompts,
+            processing_class=tokenizer,
+        )
+    messages = " ".join(str(w.message) for w in record)
+    assert "top_p=0.9, top_k=20" in messages and "torch.bfloat16" in messages
+
+
+def test_multimodal_processors_are_refused(model_dirs, prompts, tmp_path):
+    from transformers import ProcessorMixin
+
+    processor = ProcessorMixin.__new__(ProcessorMixin)
+    with pytest.raises(ValueError, match="text-only"):
+        TVOPDTrainer(
+            model=model_dirs["student"],
+            teacher_model=model_dirs["teacher"],
+            args=tiny_config(tmp_path),
+            train_dataset=prompts,
+            processing_class=processor,
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"advantage_mode": "bogus"}, "Unknown advantage_mode 'bogus'. Valid modes are: raw, clip"),
+        ({"tv_alpha": -0.1}, "tv_alpha"),
+        ({"tv_ema_decay": 1.0}, "tv_ema_decay"),
+        ({"tv_ema_decay": -0.5}, "tv_ema_decay"),
+        ({"tv_min_scale": 0.0}, "tv_min_scale"),
+        ({"tv_min_scale": 1.5}, "tv_min_scale"),
+        ({"tv_eps": 0.0}, "tv_eps"),
+        ({"epsilon": -0.1}, "epsilon"),
+        ({"epsilon_high": -0.1}, "epsilon"),
+        ({"num_iterations": 0}, "num_iterations"),
+        ({"steps_per_generation": 0}, "steps_per_generation"),
+        ({"max_prompt_length": 0}, "max_prompt_length"),
+        ({"advantage_mode": "clip", "advantage_clip_low": -1.0}, "advantage_clip_high"),
+        ({"advantage_mode": "clip", "advantage_clip_low": 1.0, "advantage_clip_high": -1.0}, "must be <"),
+        ({"advantage_mode": "power", "power_gamma": None}, "power_gamma"),
+        ({"advantage_mode": "power", "power_gamma": 0.0}, "power_gamma"),
+        ({"advantage_mode": "relative_power", "relative_power_beta": None}, "relative_power_beta"),
+        ({"advantage_mode": "relative_power", "relative_power_beta": 1.5}, "relative_power_beta"),
+    ],
+)
+def test_invalid_config_values_fail_at_construction(overrides, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(tmp_path, **overrides)
+
+
+def test_config_defaults(tmp_path):
+    args = TVOPDConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert args.advantage_mode == "tv" and args.epsilon_high == args.epsilon == 0.2
+    assert (args.tv_alpha, args.tv_ema_decay, args.tv_min_scale, args.tv_eps) == (0.5, 0.95, 0.1, 1e-5)
+    assert args.disable_dropout and args.restore_callback_states_from_checkpoint
+    assert (args.num_iterations, args.steps_per_generation, args.max_prompt_length) == (1, 1, 1024)
+    clip = TVOPDConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, advantage_mode="clip")
+    assert (clip.advantage_clip_low, clip.advantage_clip_high) == (-5.0, 5.0)
+
+
+def test_vopd_uses_the_exact_reverse_kl(model_dirs, prompts, tokenizer, tmp_path):
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=tiny_config(tmp_path, advantage_mode="vopd"),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    completion_len = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        log_q, log_p = (
+            torch.log_softmax(
+                trainer.accelerator.unwrap_model(m)(input_ids=input_ids, attention_mask=attention_mask).logits[
+                    :, -completion_len - 1 : -1
+                ],
+                -1,
+            )
+            for m in (trainer.model, trainer.teacher_model)
+        )
+    mask = inputs["completion_mask"].bool()
+    expected_rkl = (log_q.exp() * (log_q - log_p)).sum(-1)
+    torch.testing.assert_close(inputs["reverse_kl"][mask], expected_rkl[mask], rtol=1e-4, atol=1e-5)
+    expected_tv = 0.5 * (log_q.exp() - log_p.exp()).abs().sum(-1)
+    torch.testing.assert_close(inputs["exact_tv"][mask], expected_tv[mask], rtol=1e-4, atol=1e-5)
+    old = log_q.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    advantages = compute_advantages(
+        "vopd", teacher_logps=inputs["teacher_logps"], old_logps=old, mask=mask, reverse_kl=inputs["reverse_kl"]
+    )
+    torch.testing.assert_close(advantages[mask], (inputs["teacher_logps"] - old + expected_rkl)[mask], rtol=1e-4, atol=1e-5)
