@@ -119,16 +119,17 @@ def sign(x):
     return (x > 0) - (x < 0)
 
 
-def reference_row(mode, teacher, old, mask, reverse_kl, *, scale=1.0, clip_low=None, clip_high=None, gamma=None,
-                  beta=None):
+def reference_row(
+    mode, teacher, old, mask, reverse_kl, *, scale=1.0, clip_low=None, clip_high=None, gamma=None, beta=None
+):
     """Coefficients of one sequence. Inputs are lists of python floats; mask a list of 0/1."""
     size = len(teacher)
-    delta = [t - o for t, o in zip(teacher, old)]
-    active = [bool(w) and not math.isnan(d) and d != INF for w, d in zip(mask, delta)]
+    delta = [t - o for t, o in zip(teacher, old, strict=True)]
+    active = [bool(w) and not math.isnan(d) and d != INF for w, d in zip(mask, delta, strict=True)]
     floor = TINY_LOG if clip_low is None else clip_low
     finite = [floor if d == -INF else d for d in delta]
-    z = [sign(d) if a else 0 for d, a in zip(delta, active)]
-    m = [abs(f) if a else 0.0 for f, a in zip(finite, active)]
+    z = [sign(d) if a else 0 for d, a in zip(delta, active, strict=True)]
+    m = [abs(f) if a else 0.0 for f, a in zip(finite, active, strict=True)]
     count = sum(active)
     s = sum(m) / count if count else 0.0
 
@@ -165,9 +166,11 @@ def reference_row(mode, teacher, old, mask, reverse_kl, *, scale=1.0, clip_low=N
 
 
 def reference(mode, teacher, old, mask, reverse_kl, **kwargs):
-    teacher, old, mask, reverse_kl = (x.double().tolist() for x in (teacher.float(), old.float(), mask, reverse_kl.float()))
+    teacher, old, mask, reverse_kl = (
+        x.double().tolist() for x in (teacher.float(), old.float(), mask, reverse_kl.float())
+    )
     return torch.tensor(
-        [reference_row(mode, t, o, w, r, **kwargs) for t, o, w, r in zip(teacher, old, mask, reverse_kl)],
+        [reference_row(mode, t, o, w, r, **kwargs) for t, o, w, r in zip(teacher, old, mask, reverse_kl, strict=True)],
         dtype=torch.float64,
     )
 
@@ -274,8 +277,10 @@ def test_zero_magnitude_row_gives_zero_in_magnitude_modes():
     teacher, old, mask, _ = main_batch()
     for mode in MAGNITUDE_MODES:
         for beta in (0.0, 0.5, 1.0):
-            actual = advantages(mode, teacher, old, mask, beta=beta) if mode == "relative_power" else advantages(
-                mode, teacher, old, mask
+            actual = (
+                advantages(mode, teacher, old, mask, beta=beta)
+                if mode == "relative_power"
+                else advantages(mode, teacher, old, mask)
             )
             assert torch.all(actual[1] == 0), mode
             assert torch.all(actual[2] == 0), mode
@@ -306,9 +311,9 @@ def shuffle(teacher, old, mask, seed):
 
 
 def row_stats(teacher_row, old_row, mask_row):
-    delta = [t - o for t, o in zip(teacher_row, old_row)]
+    delta = [t - o for t, o in zip(teacher_row, old_row, strict=True)]
     active = [bool(w) for w in mask_row]
-    m = [abs(d) for d, a in zip(delta, active) if a]
+    m = [abs(d) for d, a in zip(delta, active, strict=True) if a]
     s = sum(m) / len(m)
     return delta, active, m, s
 
@@ -320,13 +325,13 @@ def test_shuffle_permutes_relative_magnitudes_within_sequence(seed):
     assert actual.dtype == torch.float32
     for row in range(teacher.size(0)):
         delta, active, m, s = row_stats(teacher[row].tolist(), old[row].tolist(), mask[row].tolist())
-        values = [a for a, on in zip(actual[row].tolist(), active) if on]
+        values = [a for a, on in zip(actual[row].tolist(), active, strict=True) if on]
         r = sorted(mi / s for mi in m)
         assert sorted(abs(v) / s for v in values) == pytest.approx(r, rel=1e-6)
-        signs = [sign(d) for d, on in zip(delta, active) if on]
+        signs = [sign(d) for d, on in zip(delta, active, strict=True) if on]
         assert [sign(v) for v in values] == signs
         assert sum(abs(v) for v in values) == pytest.approx(sum(m), rel=1e-6)
-        assert all(a == 0.0 for a, on in zip(actual[row].tolist(), active) if not on)
+        assert all(a == 0.0 for a, on in zip(actual[row].tolist(), active, strict=True) if not on)
 
 
 def test_shuffle_with_ties_follows_the_formula():
@@ -337,7 +342,7 @@ def test_shuffle_with_ties_follows_the_formula():
         actual = shuffle(teacher, old, mask, seed)
         delta, active, m, s = row_stats(teacher[0].tolist(), old[0].tolist(), mask[0].tolist())
         remaining = [mi / s for mi in m]
-        for a, d, on in zip(actual[0].tolist(), delta, active):
+        for a, d, on in zip(actual[0].tolist(), delta, active, strict=True):
             if not on or d == 0:
                 assert a == 0.0
                 continue

@@ -386,7 +386,9 @@ def test_long_prompts_are_left_truncated_and_counted(model_dirs, prompts, tokeni
 def test_a_vocabulary_mismatch_is_refused(model_dirs, prompts, tokenizer, tmp_path):
     other = copy.deepcopy(tokenizer)
     other.add_tokens(["<extra>"])
-    with pytest.raises(ValueError, match="vocabularies differ.*0 only in the student.*1 only in the teacher \\['<extra>'\\]"):
+    with pytest.raises(
+        ValueError, match="vocabularies differ.*0 only in the student.*1 only in the teacher \\['<extra>'\\]"
+    ):
         TVOPDTrainer(
             model=model_dirs["student"],
             teacher_model=model_dirs["teacher"],
@@ -495,4 +497,6 @@ def test_vopd_uses_the_exact_reverse_kl(model_dirs, prompts, tokenizer, tmp_path
     advantages = compute_advantages(
         "vopd", teacher_logps=inputs["teacher_logps"], old_logps=old, mask=mask, reverse_kl=inputs["reverse_kl"]
     )
-    torch.testing.assert_close(advantages[mask], (inputs["teacher_logps"] - old + expected_rkl)[mask], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        advantages[mask], (inputs["teacher_logps"] - old + expected_rkl)[mask], rtol=1e-4, atol=1e-5
+    )

@@ -18,7 +18,7 @@ from tvopd_trl.tv import TVScheduler, tv_estimate
 
 def exact_tv(p, q):
     """0.5 * sum_a |p(a) - q(a)| over python floats."""
-    return 0.5 * sum(abs(pa - qa) for pa, qa in zip(p, q))
+    return 0.5 * sum(abs(pa - qa) for pa, qa in zip(p, q, strict=True))
 
 
 def token_x(teacher_logp, old_logp):
@@ -57,22 +57,22 @@ def test_tv_estimator_is_unbiased_with_bounded_variance_random(vocab_size, seed)
     d = exact_tv(p, q)
 
     # The identity itself, in float64: E_{a~q}[1 - p/q]_+ = TV(p, q).
-    x64 = [max(1.0 - pa / qa, 0.0) for pa, qa in zip(p, q)]
-    assert sum(qa * xa for qa, xa in zip(q, x64)) == pytest.approx(d, abs=1e-12)
+    x64 = [max(1.0 - pa / qa, 0.0) for pa, qa in zip(p, q, strict=True)]
+    assert sum(qa * xa for qa, xa in zip(q, x64, strict=True)) == pytest.approx(d, abs=1e-12)
 
     # tv_estimate works in float32 (SPEC §1/§4), so its per-token X agrees with the float64 X to float32 precision.
-    x = [token_x(math.log(pa), math.log(qa)) for pa, qa in zip(p, q)]
-    for xa, xa64 in zip(x, x64):
+    x = [token_x(math.log(pa), math.log(qa)) for pa, qa in zip(p, q, strict=True)]
+    for xa, xa64 in zip(x, x64, strict=True):
         assert 0.0 <= xa <= 1.0
         assert xa == pytest.approx(xa64, abs=1e-6)
-    expectation = sum(qa * xa for qa, xa in zip(q, x))
+    expectation = sum(qa * xa for qa, xa in zip(q, x, strict=True))
     assert expectation == pytest.approx(d, abs=1e-6)
 
     # Exact variance: sum_a q X^2 - d^2 <= d (1 - d) <= 1/4.
-    variance = sum(qa * xa**2 for qa, xa in zip(q, x64)) - d**2
+    variance = sum(qa * xa**2 for qa, xa in zip(q, x64, strict=True)) - d**2
     assert -1e-12 <= variance <= d * (1.0 - d) + 1e-12
     assert d * (1.0 - d) <= 0.25
-    variance_from_library = sum(qa * xa**2 for qa, xa in zip(q, x)) - expectation**2
+    variance_from_library = sum(qa * xa**2 for qa, xa in zip(q, x, strict=True)) - expectation**2
     assert variance_from_library <= d * (1.0 - d) + 1e-6
 
 
@@ -89,11 +89,11 @@ def test_tv_estimator_is_unbiased_with_bounded_variance_random(vocab_size, seed)
 def test_tv_estimator_hand_picked(p, q, expected_x):
     d = exact_tv(p, q)
     assert d == 0.25
-    x = [token_x(log_or_neg_inf(pa), math.log(qa)) for pa, qa in zip(p, q)]
+    x = [token_x(log_or_neg_inf(pa), math.log(qa)) for pa, qa in zip(p, q, strict=True)]
     assert x == expected_x
-    expectation = sum(qa * xa for qa, xa in zip(q, x))
+    expectation = sum(qa * xa for qa, xa in zip(q, x, strict=True))
     assert expectation == pytest.approx(d, abs=1e-12)
-    variance = sum(qa * xa**2 for qa, xa in zip(q, x)) - d**2
+    variance = sum(qa * xa**2 for qa, xa in zip(q, x, strict=True)) - d**2
     assert variance <= d * (1.0 - d) + 1e-12
 
 
@@ -150,9 +150,7 @@ def test_eos_example_ratio_estimator():
     assert (1 * tv_first + Fraction(1, 2) * 0) / (1 + Fraction(1, 2)) == Fraction(1, 6)
 
     # One batch holding both rollouts pools tokens: U = 1/2, N = 3.
-    u, n = tv_estimate(
-        torch.cat([eos[0], cont[0]]), torch.cat([eos[1], cont[1]]), torch.cat([eos[2], cont[2]])
-    )
+    u, n = tv_estimate(torch.cat([eos[0], cont[0]]), torch.cat([eos[1], cont[1]]), torch.cat([eos[2], cont[2]]))
     assert (float(u), int(n)) == (0.5, 3)
 
 
@@ -297,7 +295,7 @@ def test_update_sequence_matches_hand_computation():
     expected_scales = [1.0] + [math.sqrt((ema + eps) / (0.4 + eps)) for ema in expected_ema[1:]]
     assert all(min_scale < s < 1.0 for s in expected_scales[1:])  # no clipping in this sequence
 
-    for k, ((u, n), ema, scale) in enumerate(zip(steps, expected_ema, expected_scales), start=1):
+    for k, ((u, n), ema, scale) in enumerate(zip(steps, expected_ema, expected_scales, strict=True), start=1):
         scheduler.update(u, n, grad_norm=1.0)
         assert scheduler.reference == 0.4
         assert scheduler.ema == pytest.approx(ema, rel=1e-12, abs=0)
