@@ -9,8 +9,9 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tvopd_trl import ADVANTAGE_MODES, TVOPDConfig, TVOPDTrainer, TVScheduleCallback, compute_advantages
+from tvopd_trl.testing import build_model
 
-from .conftest import build_model, tiny_config
+from .conftest import tiny_config
 
 
 SPEC_METRICS = [

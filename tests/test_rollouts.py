@@ -1,0 +1,108 @@
+"""Rollout paths other than plain transformers generation: vLLM (against a local stand-in) and bf16 autocast."""
+
+import math
+
+import pytest
+import torch
+
+from tvopd_trl import TVOPDTrainer
+
+from .conftest import tiny_config
+
+
+class StandInVLLMGeneration:
+    """Answers `generate` like TRL's `VLLMGeneration` with `logprobs=0`: it samples with the student through
+    transformers and reports each sampled token's log-probability shifted by `offset`, a known sampler mismatch."""
+
+    def __init__(self, model, tokenizer, offset, max_new_tokens=6):
+        self.model, self.tokenizer, self.offset, self.max_new_tokens = model, tokenizer, offset, max_new_tokens
+        self.syncs = 0
+        self.logprobs = None
+
+    def sync_weights(self):
+        self.syncs += 1
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations):
+        assert images is None and num_generations == 1 and self.logprobs == 0
+        eos = self.tokenizer.eos_token_id
+        completion_ids, logprobs = [], []
+        for ids in prompts:
+            output = self.model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=True,
+                max_new_tokens=self.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            completion = output[0, len(ids) :].tolist()
+            if eos in completion:
+                completion = completion[: completion.index(eos) + 1]
+            logits = self.model(torch.tensor([ids + completion])).logits[0, len(ids) - 1 : -1]
+            token_logps = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])
+            completion_ids.append(completion)
+            logprobs.append([[value - self.offset] for value in token_logps.squeeze(-1).tolist()])
+        return prompts, completion_ids, logprobs, None
+
+
+def vllm_trainer(model_dirs, prompts, tokenizer, output_dir, offset, **overrides):
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=tiny_config(output_dir, **overrides),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    # What `use_vllm=True` sets up when vLLM is installed, with the engine replaced by the stand-in.
+    trainer.use_vllm = True
+    trainer._last_loaded_step = -1
+    trainer.vllm_generation = StandInVLLMGeneration(trainer.accelerator.unwrap_model(trainer.model), tokenizer, offset)
+    trainer.vllm_generation.logprobs = 0
+    return trainer
+
+
+def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(model_dirs, prompts, tokenizer, tmp_path):
+    trainer = vllm_trainer(model_dirs, prompts, tokenizer, tmp_path, offset=0.25, max_steps=2)
+    trainer.train()
+    assert trainer.vllm_generation.syncs == 2  # weights pushed once per optimizer step
+    logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    for entry in logs:
+        assert entry["vllm/logprob_gap"] == pytest.approx(0.25, abs=1e-4)
+        assert math.isfinite(entry["loss"])
+
+
+@pytest.mark.parametrize("offset, expected_weight", [(0.25, math.exp(0.25)), (2.0, 3.0)])
+def test_vllm_importance_correction_weights_the_loss(
+    model_dirs, prompts, tokenizer, tmp_path, offset, expected_weight
+):
+    trainer = vllm_trainer(model_dirs, prompts, tokenizer, tmp_path, offset=offset, advantage_mode="sign")
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert inputs["sampler_logps"].shape == inputs["completion_ids"].shape
+    corrected = trainer.compute_loss(trainer.model, inputs)
+    trainer.args.vllm_importance_sampling_correction = False
+    plain = trainer.compute_loss(trainer.model, inputs)
+    assert plain.abs() > 0
+    # pi_old / pi_vllm = exp(offset) on every token, truncated at vllm_importance_sampling_cap = 3.
+    assert (corrected / plain).item() == pytest.approx(expected_weight, rel=1e-4)
+
+
+def test_bf16_autocast_reaches_the_loss_and_log_probs_stay_float32(model_dirs, prompts, tokenizer, tmp_path):
+    trainer = TVOPDTrainer(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=tiny_config(tmp_path, bf16=True, max_steps=1),
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    seen = []
+    projection = trainer.accelerator.unwrap_model(trainer.model).model.layers[0].self_attn.q_proj
+    projection.register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    seen.clear()
+    loss = trainer.compute_loss(trainer.model, inputs)
+    assert seen == [torch.bfloat16]  # the loss forward runs under autocast, not silently in fp32
+    assert inputs["teacher_logps"].dtype == torch.float32 and loss.dtype == torch.float32
+    assert next(projection.parameters()).dtype == torch.float32  # master weights stay fp32
