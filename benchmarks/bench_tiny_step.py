@@ -1,0 +1,84 @@
+"""Seconds per optimizer step of TV-OPD (`tv`) against Raw OPD (`raw`) on the tiny test models, side by side.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_tiny_step.py [--rounds 4] [--steps 10]
+
+Both modes train the same student against the same teacher on the same prompts with the same seed; runs alternate
+tv, raw, tv, raw, ... in one process so that machine drift hits both. Each step is timed from `on_step_begin` to
+`on_step_end` (generation, scoring, loss, backward and optimizer step); the first step of each run is dropped as
+warm-up. Prints a Markdown table with the median and the tv/raw ratio.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from transformers import TrainerCallback
+
+from tvopd_trl import TVOPDConfig, TVOPDTrainer
+from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self):
+        self.seconds = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def run(mode, tokenizer, prompts, steps):
+    timer = StepTimer()
+    args = TVOPDConfig(
+        output_dir=tempfile.mkdtemp(prefix=f"bench-{mode}-"),
+        advantage_mode=mode,
+        per_device_train_batch_size=16,
+        max_steps=steps,
+        max_completion_length=16,
+        learning_rate=3e-3,
+        logging_steps=steps,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = TVOPDTrainer(
+        model=build_model(tokenizer, seed=0, hidden_size=64),
+        teacher_model=build_model(tokenizer, seed=1, hidden_size=128),
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        teacher_processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    trainer.train()
+    return timer.seconds[1:]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer()
+    prompts = arithmetic_prompts(1024)
+    seconds = {"tv": [], "raw": []}
+    for _ in range(cli.rounds):
+        for mode in seconds:
+            seconds[mode] += run(mode, tokenizer, prompts, cli.steps)
+    medians = {mode: statistics.median(values) for mode, values in seconds.items()}
+    print("| mode | steps timed | median s/step | vs raw |\n|---|---|---|---|")
+    for mode, values in seconds.items():
+        print(f"| {mode} | {len(values)} | {medians[mode]:.4f} | {medians[mode] / medians['raw']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
