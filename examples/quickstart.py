@@ -14,8 +14,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tvopd_trl import TVOPDConfig, TVOPDTrainer
-from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer
+from tvopd_trl import TVOPDTrainer
+from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer, tiny_config
 
 
 def main():
@@ -25,9 +25,8 @@ def main():
     teacher = build_model(tokenizer, seed=0)
     with torch.no_grad():
         teacher.lm_head.weight.add_(torch.randn_like(teacher.lm_head.weight), alpha=0.15)
-    args = TVOPDConfig(
-        output_dir=tempfile.mkdtemp(prefix="tvopd-quickstart-"),
-        advantage_mode="tv",
+    args = tiny_config(
+        tempfile.mkdtemp(prefix="tvopd-quickstart-"),
         log_exact_tv=True,
         per_device_train_batch_size=16,
         max_steps=80,
@@ -35,12 +34,7 @@ def main():
         learning_rate=3e-3,
         lr_scheduler_type="constant",
         logging_steps=10,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        seed=0,
+        disable_tqdm=False,
     )
     trainer = TVOPDTrainer(
         model=student,

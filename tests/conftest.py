@@ -3,8 +3,7 @@ import os
 import pytest
 import torch
 
-from tvopd_trl import TVOPDConfig
-from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer
+from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer, tiny_config  # noqa: F401
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,25 +31,3 @@ def model_dirs(tmp_path_factory, tokenizer):
 @pytest.fixture
 def prompts():
     return arithmetic_prompts(64, seed=1)
-
-
-def tiny_config(output_dir, **overrides):
-    defaults = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        max_steps=3,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    defaults.update(overrides)
-    return TVOPDConfig(**defaults)

@@ -62,8 +62,13 @@ def vllm_trainer(model_dirs, prompts, tokenizer, output_dir, offset, **overrides
     return trainer
 
 
-def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(model_dirs, prompts, tokenizer, tmp_path):
-    trainer = vllm_trainer(model_dirs, prompts, tokenizer, tmp_path, offset=0.25, max_steps=2)
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 8])
+def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(
+    model_dirs, prompts, tokenizer, tmp_path, pad_to_multiple_of
+):
+    trainer = vllm_trainer(
+        model_dirs, prompts, tokenizer, tmp_path, offset=0.25, max_steps=2, pad_to_multiple_of=pad_to_multiple_of
+    )
     trainer.train()
     assert trainer.vllm_generation.syncs == 2  # weights pushed once per optimizer step
     logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]

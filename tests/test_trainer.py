@@ -251,6 +251,35 @@ def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(model_dirs
     assert ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
     # Two different halves of one rollout batch, both scored by the frozen pi_old before the first update.
     assert all(record["old_logps"] is not None for record in trainer.recorded)
+    # The scheduler state is logged on every step (NaN, which TRL logs as None, before the first update).
+    assert logs[0]["tv/ema"] is None and logs[1]["tv/ema"] == logs[2]["tv/ema"] == logs[1]["tv/estimate"]
+
+
+def test_the_step_token_count_excludes_tokens_the_loss_drops(model_dirs, prompts, tokenizer, tmp_path):
+    class CorruptedOldLogps(TVOPDTrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            output["old_logps"][:, 0] = float("nan")  # the first token of every rollout has no usable pi_old
+            return output
+
+    args = tiny_config(tmp_path, steps_per_generation=2, gradient_accumulation_steps=2, per_device_train_batch_size=2)
+    trainer = CorruptedOldLogps(
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        args=args,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )
+    trainer.model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    micro_batches = []
+    for _ in range(4):  # one rollout: 2 optimizer steps of 2 micro-batches
+        micro_batches.append(trainer._prepare_inputs(batch))
+        trainer._step += 1
+    for step in range(2):
+        window = micro_batches[2 * step : 2 * step + 2]
+        active = sum(int((m["completion_mask"][:, 1:]).sum()) for m in window)  # all but the corrupted first token
+        assert all(int(m["step_num_items"]) == active for m in window)
 
 
 def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(model_dirs, prompts, tokenizer, tmp_path):
@@ -352,6 +381,24 @@ def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(model_dirs, pr
     assert [entry["step"] for entry in resumed_logs] == [4, 5, 6]
     for entry in resumed_logs:
         assert {k: entry[k] for k in tv_keys} == {k: full_logs[entry["step"]][k] for k in tv_keys}
+
+
+def test_resuming_with_other_scheduler_settings_warns(model_dirs, prompts, tokenizer, tmp_path):
+    def make_trainer(alpha, max_steps):
+        args = tiny_config(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1, tv_alpha=alpha)
+        return TVOPDTrainer(
+            model=model_dirs["student"],
+            teacher_model=model_dirs["teacher"],
+            args=args,
+            train_dataset=prompts,
+            processing_class=tokenizer,
+        )
+
+    make_trainer(0.5, 1).train()
+    resumed = make_trainer(0.9, 2)
+    with pytest.warns(UserWarning, match="continues with the checkpoint's values"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed._tv_scheduler.alpha == 0.5
 
 
 def test_resume_restores_the_callback_from_the_checkpoint(model_dirs, prompts, tokenizer, tmp_path):

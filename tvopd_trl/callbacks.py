@@ -12,10 +12,15 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
+import warnings
+
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .tv import TVScheduler
+
+
+_CONFIG_NAMES = ("tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps")
 
 
 class TVScheduleCallback(TrainerCallback, ExportableState):
@@ -39,6 +44,18 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
         self.scheduler = TVScheduler(alpha=alpha, ema_decay=ema_decay, min_scale=min_scale, eps=eps)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # A resumed run keeps the checkpoint's scheduler, hyperparameters included: say so if the config disagrees.
+        scheduler = self.scheduler
+        stored = (scheduler.alpha, scheduler.ema_decay, scheduler.min_scale, scheduler.eps)
+        configured = tuple(getattr(args, name, value) for name, value in zip(_CONFIG_NAMES, stored, strict=True))
+        if configured != stored:
+            warnings.warn(
+                f"The TV scheduler restored from the checkpoint has (tv_alpha, tv_ema_decay, tv_min_scale, tv_eps) = "
+                f"{stored}, but the config says {configured}. The run continues with the checkpoint's values.",
+                stacklevel=2,
+            )
 
     def state(self) -> dict:
         scheduler = self.scheduler

@@ -199,15 +199,13 @@ class TVOPDConfig(DistillationConfig):
                     "advantage_mode='clip' needs both advantage_clip_low and advantage_clip_high (or neither, for the "
                     f"default {DEFAULT_CLIP_BOUNDS}); got {self.advantage_clip_low} and {self.advantage_clip_high}."
                 )
-        if (
-            self.advantage_clip_low is not None
-            and self.advantage_clip_high is not None
-            and not self.advantage_clip_low < self.advantage_clip_high
-        ):
+        if self.advantage_clip_low is not None and not self.advantage_clip_low < 0:
             raise ValueError(
-                f"advantage_clip_low must be < advantage_clip_high, got {self.advantage_clip_low} and "
-                f"{self.advantage_clip_high}."
+                f"advantage_clip_low must be < 0, got {self.advantage_clip_low}: a positive bound would turn the "
+                "teacher's 'less likely' into 'more likely'."
             )
+        if self.advantage_clip_high is not None and not self.advantage_clip_high > 0:
+            raise ValueError(f"advantage_clip_high must be > 0, got {self.advantage_clip_high}.")
         if mode == "power" and (self.power_gamma is None or not self.power_gamma > 0):
             raise ValueError(f"advantage_mode='power' needs power_gamma > 0, got {self.power_gamma}.")
         if mode == "relative_power" and (self.relative_power_beta is None or not 0 <= self.relative_power_beta <= 1):

@@ -54,6 +54,6 @@ def exact_reverse_kl_and_tv(
                 F.linear(teacher_hidden[rows].float(), teacher_weight, teacher_bias) / temperature, -1
             )
         q = log_q.exp()
-        reverse_kl[rows] = (q * (log_q - log_p)).sum(-1)
+        reverse_kl[rows] = torch.where(q > 0, q * (log_q - log_p), 0.0).sum(-1)  # 0 log 0 = 0
         tv[rows] = 0.5 * (q - log_p.exp()).abs().sum(-1)
     return reverse_kl.view(batch, length), tv.view(batch, length)

@@ -18,6 +18,8 @@ from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from .config import TVOPDConfig
+
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -75,3 +77,26 @@ def build_model(tokenizer, seed, hidden_size=32, num_layers=2):
 def arithmetic_prompts(n, seed=0):
     """A conversational prompt dataset of `n` two-digit additions."""
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q, _ in arithmetic_problems(n, seed)]})
+
+
+def tiny_config(output_dir, **overrides):
+    """A `TVOPDConfig` for fast single-process CPU runs of the tiny models; `overrides` win."""
+    defaults = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=3,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    defaults.update(overrides)
+    return TVOPDConfig(**defaults)

@@ -189,7 +189,8 @@ class TVOPDTrainer(DistillationTrainer):
         )
         add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
 
-        self.add_callback(_AfterOptimizerStep(self))
+        # First in line, so that every other callback's `on_optimizer_step` sees the finished step.
+        self.callback_handler.callbacks.insert(0, _AfterOptimizerStep(self))
         self.add_callback(
             TVScheduleCallback(
                 alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
@@ -316,6 +317,15 @@ class TVOPDTrainer(DistillationTrainer):
             seed=self.args.seed,
         )
 
+    @staticmethod
+    def _active_tokens(batch):
+        # Tokens the loss will use, as far as it is known before the loss pass: without precomputed pi_old, only a
+        # non-finite teacher log-probability is known (a non-finite student log-probability there, pathological,
+        # leaves its token in the count).
+        old_logps = batch.get("old_logps")
+        old_logps = torch.zeros_like(batch["teacher_logps"]) if old_logps is None else old_logps
+        return token_delta(batch["teacher_logps"], old_logps, batch["loss_mask"])[1]
+
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return self._generate_and_score_completions(generation_batch)
@@ -326,12 +336,7 @@ class TVOPDTrainer(DistillationTrainer):
             self._buffered_inputs = split_tensor_dict(rollout, micro_batches)
             # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
             # processes once, so every micro-batch divides by the same exact total.
-            local_counts = torch.stack(
-                [
-                    (batch["loss_mask"].bool() & ~batch["teacher_logps"].isnan()).sum()
-                    for batch in self._buffered_inputs
-                ]
-            )
+            local_counts = torch.stack([self._active_tokens(batch).sum() for batch in self._buffered_inputs])
             step_counts = self.accelerator.reduce(
                 local_counts.view(self.args.steps_per_generation, -1).sum(dim=1), reduction="sum"
             )
@@ -392,7 +397,9 @@ class TVOPDTrainer(DistillationTrainer):
                 )
         if self.use_vllm:
             sampler_logps = [torch.tensor(logps, dtype=torch.float32) for logps in self._sampler_logps]
-            output["sampler_logps"] = pad(sampler_logps, padding_value=0.0, padding_side="right").to(device)
+            sampler_logps = pad(sampler_logps, padding_value=0.0, padding_side="right").to(device)
+            width = output["completion_ids"].size(1)  # completions may be padded to `pad_to_multiple_of`
+            output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
         output["loss_mask"] = loss_mask
         return output
 
@@ -457,8 +464,8 @@ class TVOPDTrainer(DistillationTrainer):
         old_logps = inputs.get("old_logps")
         old_logps = logps.detach() if old_logps is None else old_logps
         teacher_logps = inputs["teacher_logps"]
-        delta, active = token_delta(teacher_logps, old_logps, inputs["loss_mask"])
-        active = active & torch.isfinite(logps).detach()
+        delta, rollout_active = token_delta(teacher_logps, old_logps, inputs["loss_mask"])
+        active = rollout_active & torch.isfinite(logps).detach()
 
         first_pass = mode == "train" and (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
         if mode == "train" and self._step % self._micro_steps_per_rollout == 0:
@@ -515,11 +522,12 @@ class TVOPDTrainer(DistillationTrainer):
                 self._step_stats = stats if self._step_stats is None else self._step_stats + stats
                 self._step_abs_delta.append(finite_delta[active].abs())
                 if first_pass:
-                    u, n = tv_estimate(teacher_logps, old_logps, active)
+                    u, n = tv_estimate(teacher_logps, old_logps, rollout_active)
                     tv_sums = torch.stack([u.float(), n.float()])
                     self._rollout_tv = tv_sums if self._rollout_tv is None else self._rollout_tv + tv_sums
                     if "exact_tv" in inputs:
-                        exact = torch.stack([torch.where(active, inputs["exact_tv"], 0.0).sum(), n.float()])
+                        exact_tv = torch.where(rollout_active, inputs["exact_tv"], 0.0).sum()
+                        exact = torch.stack([exact_tv, n.float()])
                         previous = self._rollout_exact_tv
                         self._rollout_exact_tv = exact if previous is None else previous + exact
             else:
@@ -543,31 +551,41 @@ class TVOPDTrainer(DistillationTrainer):
             return param.to_local()
         return getattr(param, "ds_tensor", param)  # ZeRO-3 keeps the local partition in `ds_tensor`
 
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self._step % self.args.gradient_accumulation_steps == 0:
+            # Snapshot for `update/norm` at the step's first micro-batch: DeepSpeed already steps inside the last
+            # micro-batch's backward. One extra copy of the trainable parameters (of the local shard when sharded).
+            self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _get_grad_norm(self, model, grad_norm=None):
         # Called by `Trainer` right before `optimizer.step()`, with the pre-clip norm (computed here when
-        # `max_grad_norm` is 0).
+        # `max_grad_norm` is 0). DeepSpeed has stepped already and skips non-finite steps itself (fp16 overflow).
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
-        self._step_grad_norm = float(grad_norm)
-        if not math.isfinite(self._step_grad_norm):
-            # Torch optimizers skip parameters without a gradient: no update, no moment or weight-decay change.
-            model.zero_grad(set_to_none=True)
+        self._step_grad_norm = None if grad_norm is None else float(grad_norm)
+        if self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm):
             self._rollout_grad_norm_finite = False
-        self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
+            if not self.is_deepspeed_enabled:
+                # Torch optimizers skip parameters without a gradient: no update, no moment or weight-decay change.
+                model.zero_grad(set_to_none=True)
         return grad_norm
 
     def _finish_optimizer_step(self):
         device = self.accelerator.device
+        parameters = self._trainable_parameters()
         squared_update = sum(
             (self._local_tensor(p).detach().float() - before.float()).square().sum()
-            for p, before in zip(self._trainable_parameters(), self._params_before_step, strict=True)
+            for p, before in zip(parameters, self._params_before_step, strict=True)
         )
         squared_update = torch.as_tensor(squared_update, device=device, dtype=torch.float32)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            squared_update = self.accelerator.reduce(squared_update, reduction="sum")
+        if any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in parameters):
+            squared_update = self.accelerator.reduce(squared_update, reduction="sum")  # shards add up; replicas don't
         self._params_before_step = None
         metrics = self._metrics["train"]
         metrics["update/norm"].append(squared_update.sqrt().item())
-        metrics["update/skipped"].append(float(not math.isfinite(self._step_grad_norm)))
+        step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
+        skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
+        metrics["update/skipped"].append(float(skipped))
         metrics["tv/scale"].append(self._rollout_scale)
 
         if self._step_stats is not None:
@@ -580,6 +598,9 @@ class TVOPDTrainer(DistillationTrainer):
 
         if self._step % self._micro_steps_per_rollout == 0:
             self._finish_rollout()
+        scheduler = self._tv_scheduler
+        metrics["tv/ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
+        metrics["tv/reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
 
     def _finish_rollout(self):
         metrics = self._metrics["train"]
@@ -588,8 +609,6 @@ class TVOPDTrainer(DistillationTrainer):
         u, n = self.accelerator.reduce(tv_sums, reduction="sum").tolist()
         scheduler.update(u, n, grad_norm=None if self._rollout_grad_norm_finite else float("nan"))
         metrics["tv/estimate"].append(u / n if n > 0 else float("nan"))
-        metrics["tv/ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
-        metrics["tv/reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
         if self._rollout_exact_tv is not None:
             exact_sum, count = self.accelerator.reduce(self._rollout_exact_tv, reduction="sum").tolist()
             metrics["tv/exact"].append(exact_sum / count if count > 0 else float("nan"))
