@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+from tvopd_trl import TVOPDTrainer
 from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer, tiny_config  # noqa: F401
 
 
@@ -31,3 +32,19 @@ def model_dirs(tmp_path_factory, tokenizer):
 @pytest.fixture
 def prompts():
     return arithmetic_prompts(64, seed=1)
+
+
+@pytest.fixture
+def make_trainer(model_dirs, prompts, tokenizer):
+    """Builds a trainer on the tiny on-disk pair and the arithmetic prompts; keyword arguments override those."""
+
+    def make(args, trainer_class=TVOPDTrainer, **kwargs):
+        defaults = {
+            "model": model_dirs["student"],
+            "teacher_model": model_dirs["teacher"],
+            "train_dataset": prompts,
+            "processing_class": tokenizer,
+        }
+        return trainer_class(args=args, **{**defaults, **kwargs})
+
+    return make

@@ -5,22 +5,14 @@ import math
 import pytest
 import torch
 
-from tvopd_trl import TVOPDTrainer
-
 from .conftest import tiny_config
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def test_cuda_bf16_training_keeps_float32_log_probs(model_dirs, prompts, tokenizer, tmp_path):
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(tmp_path, bf16=True, use_cpu=False, max_steps=3, log_exact_tv=True),
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
+def test_cuda_bf16_training_keeps_float32_log_probs(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, bf16=True, use_cpu=False, max_steps=3, log_exact_tv=True))
     trainer.model.train()
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     assert inputs["teacher_logps"].is_cuda and inputs["teacher_logps"].dtype == torch.float32

@@ -5,8 +5,6 @@ import math
 import pytest
 import torch
 
-from tvopd_trl import TVOPDTrainer
-
 from .conftest import tiny_config
 
 
@@ -46,13 +44,9 @@ class StandInVLLMGeneration:
         return prompts, completion_ids, logprobs, None
 
 
-def vllm_trainer(model_dirs, prompts, tokenizer, output_dir, offset, **overrides):
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(output_dir, **overrides),
-        train_dataset=prompts,
-        processing_class=tokenizer,
+def vllm_trainer(make_trainer, tokenizer, output_dir, offset, **overrides):
+    trainer = make_trainer(
+        tiny_config(output_dir, **overrides),
     )
     # What `use_vllm=True` sets up when vLLM is installed, with the engine replaced by the stand-in.
     trainer.use_vllm = True
@@ -63,11 +57,9 @@ def vllm_trainer(model_dirs, prompts, tokenizer, output_dir, offset, **overrides
 
 
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 8])
-def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(
-    model_dirs, prompts, tokenizer, tmp_path, pad_to_multiple_of
-):
+def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(make_trainer, tokenizer, tmp_path, pad_to_multiple_of):
     trainer = vllm_trainer(
-        model_dirs, prompts, tokenizer, tmp_path, offset=0.25, max_steps=2, pad_to_multiple_of=pad_to_multiple_of
+        make_trainer, tokenizer, tmp_path, offset=0.25, max_steps=2, pad_to_multiple_of=pad_to_multiple_of
     )
     trainer.train()
     assert trainer.vllm_generation.syncs == 2  # weights pushed once per optimizer step
@@ -78,10 +70,8 @@ def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(
 
 
 @pytest.mark.parametrize("offset, expected_weight", [(0.25, math.exp(0.25)), (2.0, 3.0)])
-def test_vllm_importance_correction_weights_the_loss(
-    model_dirs, prompts, tokenizer, tmp_path, offset, expected_weight
-):
-    trainer = vllm_trainer(model_dirs, prompts, tokenizer, tmp_path, offset=offset, advantage_mode="sign")
+def test_vllm_importance_correction_weights_the_loss(make_trainer, tokenizer, tmp_path, offset, expected_weight):
+    trainer = vllm_trainer(make_trainer, tokenizer, tmp_path, offset=offset, advantage_mode="sign")
     trainer.model.train()
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     assert inputs["sampler_logps"].shape == inputs["completion_ids"].shape
@@ -93,13 +83,9 @@ def test_vllm_importance_correction_weights_the_loss(
     assert (corrected / plain).item() == pytest.approx(expected_weight, rel=1e-4)
 
 
-def test_bf16_autocast_reaches_the_loss_and_log_probs_stay_float32(model_dirs, prompts, tokenizer, tmp_path):
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(tmp_path, bf16=True, max_steps=1),
-        train_dataset=prompts,
-        processing_class=tokenizer,
+def test_bf16_autocast_reaches_the_loss_and_log_probs_stay_float32(make_trainer, tmp_path):
+    trainer = make_trainer(
+        tiny_config(tmp_path, bf16=True, max_steps=1),
     )
     seen = []
     projection = trainer.accelerator.unwrap_model(trainer.model).model.layers[0].self_attn.q_proj

@@ -43,15 +43,9 @@ def parameters(model):
 
 
 @pytest.mark.parametrize("mode", ADVANTAGE_MODES)
-def test_every_mode_trains_and_changes_the_student(mode, model_dirs, prompts, tokenizer, tmp_path):
+def test_every_mode_trains_and_changes_the_student(make_trainer, mode, model_dirs, tmp_path):
     args = tiny_config(tmp_path, advantage_mode=mode, max_steps=2, log_exact_tv=True)
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(args)
     before = parameters(trainer.model)
     trainer.train()
     logs = step_logs(trainer)
@@ -68,14 +62,10 @@ def test_every_mode_trains_and_changes_the_student(mode, model_dirs, prompts, to
         assert torch.equal(p, dict(teacher.named_parameters())[name]), "the teacher must stay frozen"
 
 
-def test_lora_student_trains_only_the_adapter(model_dirs, prompts, tokenizer, tmp_path):
+def test_lora_student_trains_only_the_adapter(make_trainer, tmp_path):
     args = tiny_config(tmp_path, max_steps=2, advantage_mode="sign", learning_rate=5e-2)
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        args,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
     before = parameters(trainer.model)
@@ -85,16 +75,10 @@ def test_lora_student_trains_only_the_adapter(model_dirs, prompts, tokenizer, tm
     assert any("lora_A" in name for name in changed) or any("lora_B" in name for name in changed)
 
 
-def test_loss_matches_the_direct_formula(model_dirs, prompts, tokenizer, tmp_path):
+def test_loss_matches_the_direct_formula(make_trainer, tmp_path):
     """compute_loss on one rollout equals -mean(A_t) (ratio 1) and its gradient equals that of the direct surrogate."""
     args = tiny_config(tmp_path, advantage_mode="raw", max_steps=1)
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(args)
     trainer.model.train()
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._prepare_inputs(batch)
@@ -127,6 +111,10 @@ def test_loss_matches_the_direct_formula(model_dirs, prompts, tokenizer, tmp_pat
 class RecordingTrainer(TVOPDTrainer):
     """Records every training micro-batch's signals, to recompute the pooled statistics independently."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorded = []
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.model.training:
@@ -148,16 +136,9 @@ class RecordingTrainer(TVOPDTrainer):
         return logps
 
 
-def test_tv_estimate_pools_tokens_over_micro_batches(model_dirs, prompts, tokenizer, tmp_path):
+def test_tv_estimate_pools_tokens_over_micro_batches(make_trainer, tmp_path):
     args = tiny_config(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=2)
-    trainer = RecordingTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
-    trainer.recorded = []
+    trainer = make_trainer(args, trainer_class=RecordingTrainer)
     logps_per_micro_batch = []
     original = trainer.compute_loss
 
@@ -179,9 +160,9 @@ def test_tv_estimate_pools_tokens_over_micro_batches(model_dirs, prompts, tokeni
         assert logs[step]["tv/estimate"] == pytest.approx(u / n, rel=1e-5)
 
 
-def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_student(tokenizer, prompts, tmp_path):
-    student = build_model(tokenizer, seed=0)
-    teacher = build_model(tokenizer, seed=1)
+def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_student(
+    make_trainer, tokenizer, tmp_path
+):
 
     class TeacherBecomesStudent(TrainerCallback):
         # After every step from the first on, the teacher is a copy of the student: the next rollout has TV = 0.
@@ -189,12 +170,10 @@ def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_s
             trainer.teacher_model.load_state_dict(copy.deepcopy(trainer.model.state_dict()))
 
     args = tiny_config(tmp_path, max_steps=10, tv_ema_decay=0.5, tv_min_scale=0.1, learning_rate=1e-3)
-    trainer = TVOPDTrainer(
-        model=student,
-        teacher_model=teacher,
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        args,
+        model=build_model(tokenizer, seed=0),
+        teacher_model=build_model(tokenizer, seed=1),
         teacher_processing_class=tokenizer,
         callbacks=[TeacherBecomesStudent()],
     )
@@ -212,16 +191,9 @@ def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_s
     assert scales == sorted(scales, reverse=True) and scales[-1] == 0.1
 
 
-def test_two_iterations_reuse_rollouts_and_the_ppo_clip_bites(model_dirs, prompts, tokenizer, tmp_path):
+def test_two_iterations_reuse_rollouts_and_the_ppo_clip_bites(make_trainer, prompts, tmp_path):
     args = tiny_config(tmp_path, num_iterations=2, max_steps=4, learning_rate=3e-2, advantage_mode="sign")
-    trainer = RecordingTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
-    trainer.recorded = []
+    trainer = make_trainer(args, trainer_class=RecordingTrainer)
     trainer.train()
     logs = step_logs(trainer)
     # Steps 0 and 1 use rollout A, steps 2 and 3 rollout B: pi_old and the prompts are frozen per rollout.
@@ -235,16 +207,9 @@ def test_two_iterations_reuse_rollouts_and_the_ppo_clip_bites(model_dirs, prompt
     assert ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
 
 
-def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(model_dirs, prompts, tokenizer, tmp_path):
+def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(make_trainer, tmp_path):
     args = tiny_config(tmp_path, steps_per_generation=2, max_steps=4, per_device_train_batch_size=2)
-    trainer = RecordingTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
-    trainer.recorded = []
+    trainer = make_trainer(args, trainer_class=RecordingTrainer)
     trainer.train()
     logs = step_logs(trainer)
     assert [entry["tv/scale"] for entry in logs][0:2] == [1.0, 1.0]
@@ -255,7 +220,7 @@ def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(model_dirs
     assert logs[0]["tv/ema"] is None and logs[1]["tv/ema"] == logs[2]["tv/ema"] == logs[1]["tv/estimate"]
 
 
-def test_the_step_token_count_excludes_tokens_the_loss_drops(model_dirs, prompts, tokenizer, tmp_path):
+def test_the_step_token_count_excludes_tokens_the_loss_drops(make_trainer, tmp_path):
     class CorruptedOldLogps(TVOPDTrainer):
         def _generate_and_score_completions(self, inputs):
             output = super()._generate_and_score_completions(inputs)
@@ -263,12 +228,9 @@ def test_the_step_token_count_excludes_tokens_the_loss_drops(model_dirs, prompts
             return output
 
     args = tiny_config(tmp_path, steps_per_generation=2, gradient_accumulation_steps=2, per_device_train_batch_size=2)
-    trainer = CorruptedOldLogps(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        args,
+        trainer_class=CorruptedOldLogps,
     )
     trainer.model.train()
     batch = next(iter(trainer.get_train_dataloader()))
@@ -282,7 +244,7 @@ def test_the_step_token_count_excludes_tokens_the_loss_drops(model_dirs, prompts
         assert all(int(m["step_num_items"]) == active for m in window)
 
 
-def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(model_dirs, prompts, tokenizer, tmp_path):
+def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(make_trainer, tmp_path):
     class PoisonedTrainer(TVOPDTrainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -298,12 +260,9 @@ def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(model_dir
 
     snapshots = Snapshots()
     args = tiny_config(tmp_path, max_steps=3, max_grad_norm=0.0)
-    trainer = PoisonedTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        args,
+        trainer_class=PoisonedTrainer,
         callbacks=[snapshots],
     )
     trainer.train()
@@ -315,7 +274,7 @@ def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(model_dir
     assert snapshots.states[2]["num_updates"] == 2 and logs[2]["update/norm"] > 0
 
 
-def test_update_norm_is_the_realised_parameter_change(model_dirs, prompts, tokenizer, tmp_path):
+def test_update_norm_is_the_realised_parameter_change(make_trainer, tmp_path):
     class Snapshots(TrainerCallback):
         def __init__(self):
             self.params = []
@@ -327,12 +286,8 @@ def test_update_norm_is_the_realised_parameter_change(model_dirs, prompts, token
             self.params.append(parameters(model))
 
     snapshots = Snapshots()
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(tmp_path, max_steps=2),
-        train_dataset=prompts,
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        tiny_config(tmp_path, max_steps=2),
         callbacks=[snapshots],
     )
     trainer.train()
@@ -342,14 +297,9 @@ def test_update_norm_is_the_realised_parameter_change(model_dirs, prompts, token
         assert entry["update/norm"] == pytest.approx(norm, rel=1e-5)
 
 
-def test_evaluate_never_touches_the_scheduler(model_dirs, prompts, tokenizer, tmp_path):
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(tmp_path, max_steps=2, per_device_eval_batch_size=4),
-        train_dataset=prompts,
-        eval_dataset=prompts.select(range(8)),
-        processing_class=tokenizer,
+def test_evaluate_never_touches_the_scheduler(make_trainer, prompts, tmp_path):
+    trainer = make_trainer(
+        tiny_config(tmp_path, max_steps=2, per_device_eval_batch_size=4), eval_dataset=prompts.select(range(8))
     )
     trainer.train()
     state = dict(trainer._tv_scheduler.state_dict())
@@ -358,20 +308,14 @@ def test_evaluate_never_touches_the_scheduler(model_dirs, prompts, tokenizer, tm
     assert math.isfinite(metrics["eval_loss"]) and 0 <= metrics["eval_tv/estimate"] <= 1
 
 
-def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(model_dirs, prompts, tokenizer, tmp_path):
-    def make_trainer(output_dir):
-        return TVOPDTrainer(
-            model=model_dirs["student"],
-            teacher_model=model_dirs["teacher"],
-            args=tiny_config(output_dir, max_steps=6, save_strategy="steps", save_steps=3, tv_ema_decay=0.5),
-            train_dataset=prompts,
-            processing_class=tokenizer,
-        )
+def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(make_trainer, tmp_path):
+    def config():
+        return tiny_config(tmp_path, max_steps=6, save_strategy="steps", save_steps=3, tv_ema_decay=0.5)
 
-    full = make_trainer(tmp_path / "full")
+    full = make_trainer(config())
     full.train()
-    resumed = make_trainer(tmp_path / "full")  # same output_dir: resume from its checkpoint-3
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    resumed = make_trainer(config())  # same output_dir: resume from its checkpoint-3
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
 
     assert resumed._tv_scheduler.state_dict() == full._tv_scheduler.state_dict()
     assert resumed._tv_scheduler.num_updates == 6
@@ -383,33 +327,20 @@ def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(model_dirs, pr
         assert {k: entry[k] for k in tv_keys} == {k: full_logs[entry["step"]][k] for k in tv_keys}
 
 
-def test_resuming_with_other_scheduler_settings_warns(model_dirs, prompts, tokenizer, tmp_path):
-    def make_trainer(alpha, max_steps):
-        args = tiny_config(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1, tv_alpha=alpha)
-        return TVOPDTrainer(
-            model=model_dirs["student"],
-            teacher_model=model_dirs["teacher"],
-            args=args,
-            train_dataset=prompts,
-            processing_class=tokenizer,
-        )
+def test_resuming_with_other_scheduler_settings_warns(make_trainer, tmp_path):
+    def config(alpha, max_steps):
+        return tiny_config(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1, tv_alpha=alpha)
 
-    make_trainer(0.5, 1).train()
-    resumed = make_trainer(0.9, 2)
+    make_trainer(config(0.5, 1)).train()
+    resumed = make_trainer(config(0.9, 2))
     with pytest.warns(UserWarning, match="continues with the checkpoint's values"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert resumed._tv_scheduler.alpha == 0.5
 
 
-def test_resume_restores_the_callback_from_the_checkpoint(model_dirs, prompts, tokenizer, tmp_path):
+def test_resume_restores_the_callback_from_the_checkpoint(make_trainer, tmp_path):
     args = tiny_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=args,
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(args)
     trainer.train()
     saved = trainer.state.stateful_callbacks["TVScheduleCallback"]["args"]["scheduler_state"]
     assert saved == trainer._tv_scheduler.state_dict() and saved["num_updates"] == 2
@@ -417,62 +348,39 @@ def test_resume_restores_the_callback_from_the_checkpoint(model_dirs, prompts, t
     assert restored.scheduler.scale == trainer._tv_scheduler.scale
 
 
-def test_long_prompts_are_left_truncated_and_counted(model_dirs, prompts, tokenizer, tmp_path):
-    trainer = RecordingTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(tmp_path, max_steps=1, max_prompt_length=5),
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
-    trainer.recorded = []
+def test_long_prompts_are_left_truncated_and_counted(make_trainer, prompts, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=1, max_prompt_length=5), trainer_class=RecordingTrainer)
     trainer.train()
     assert step_logs(trainer)[0]["prompts/truncated"] == 4
     assert trainer.recorded[0]["prompt_len"].max().item() == 5
 
 
-def test_a_vocabulary_mismatch_is_refused(model_dirs, prompts, tokenizer, tmp_path):
+def test_a_vocabulary_mismatch_is_refused(make_trainer, tokenizer, tmp_path):
     other = copy.deepcopy(tokenizer)
     other.add_tokens(["<extra>"])
     with pytest.raises(
         ValueError, match="vocabularies differ.*0 only in the student.*1 only in the teacher \\['<extra>'\\]"
     ):
-        TVOPDTrainer(
-            model=model_dirs["student"],
-            teacher_model=model_dirs["teacher"],
-            args=tiny_config(tmp_path),
-            train_dataset=prompts,
-            processing_class=tokenizer,
+        make_trainer(
+            tiny_config(tmp_path),
             teacher_processing_class=other,
         )
 
 
-def test_off_policy_sampling_and_dtype_mismatch_warn(model_dirs, prompts, tokenizer, tmp_path):
+def test_off_policy_sampling_and_dtype_mismatch_warn(make_trainer, model_dirs, tmp_path):
     teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"], dtype=torch.bfloat16)
     with pytest.warns(UserWarning) as record:
-        TVOPDTrainer(
-            model=model_dirs["student"],
-            teacher_model=teacher,
-            args=tiny_config(tmp_path, top_p=0.9, top_k=20),
-            train_dataset=prompts,
-            processing_class=tokenizer,
-        )
+        make_trainer(tiny_config(tmp_path, top_p=0.9, top_k=20), teacher_model=teacher)
     messages = " ".join(str(w.message) for w in record)
     assert "top_p=0.9, top_k=20" in messages and "torch.bfloat16" in messages
 
 
-def test_multimodal_processors_are_refused(model_dirs, prompts, tmp_path):
+def test_multimodal_processors_are_refused(make_trainer, tmp_path):
     from transformers import ProcessorMixin
 
     processor = ProcessorMixin.__new__(ProcessorMixin)
     with pytest.raises(ValueError, match="text-only"):
-        TVOPDTrainer(
-            model=model_dirs["student"],
-            teacher_model=model_dirs["teacher"],
-            args=tiny_config(tmp_path),
-            train_dataset=prompts,
-            processing_class=processor,
-        )
+        make_trainer(tiny_config(tmp_path), processing_class=processor)
 
 
 @pytest.mark.parametrize(
@@ -513,14 +421,8 @@ def test_config_defaults(tmp_path):
     assert (clip.advantage_clip_low, clip.advantage_clip_high) == (-5.0, 5.0)
 
 
-def test_vopd_uses_the_exact_reverse_kl(model_dirs, prompts, tokenizer, tmp_path):
-    trainer = TVOPDTrainer(
-        model=model_dirs["student"],
-        teacher_model=model_dirs["teacher"],
-        args=tiny_config(tmp_path, advantage_mode="vopd"),
-        train_dataset=prompts,
-        processing_class=tokenizer,
-    )
+def test_vopd_uses_the_exact_reverse_kl(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, advantage_mode="vopd"))
     trainer.model.train()
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
