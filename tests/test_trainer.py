@@ -450,3 +450,11 @@ def test_vopd_uses_the_exact_reverse_kl(make_trainer, tmp_path):
     torch.testing.assert_close(
         advantages[mask], (inputs["teacher_logps"] - old + expected_rkl)[mask], rtol=1e-4, atol=1e-5
     )
+
+
+def test_model_card_names_the_method_and_the_paper(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=1))
+    trainer.create_model_card(model_name="tiny-tvopd")
+    card = (tmp_path / "README.md").read_text()
+    assert "TV-Regulated OPD: Direction Matters in On-Policy Distillation" in card
+    assert "xiao2026tvopd" in card and "tv-opd" in card
