@@ -1,0 +1,60 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""`tvopd-trl` console command: `tvopd-trl train --config recipe.yaml [accelerate and training flags]`.
+
+Like `trl sft`, it runs the training script through `accelerate launch`: flags the script does not know (e.g.
+`--num_processes 2`, or `--accelerate_config zero3` for one of TRL's shipped configs) go to accelerate.
+"""
+
+import sys
+from argparse import ArgumentParser
+
+
+def _subtract_subsequence(items, subsequence):
+    remaining = iter(subsequence)
+    current = next(remaining, None)
+    kept = []
+    for item in items:
+        if current is not None and item == current:
+            current = next(remaining, None)
+        else:
+            kept.append(item)
+    return kept
+
+
+def main(argv=None) -> int:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    from .scripts.train import make_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False)
+    parser.add_argument("command", choices=["train"], help="`train`: run the TV-OPD main job")
+    if not argv or argv[0] not in ("train",):
+        parser.print_help()
+        return 0 if not argv else 2
+    script_argv = argv[1:]
+    # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`.
+    *_, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
+        script_argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    script_args = _subtract_subsequence(script_argv, cli_remaining)
+    launch_command(launch_command_parser().parse_args([*launch_args, "-m", "tvopd_trl.scripts.train", *script_args]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

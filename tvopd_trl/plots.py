@@ -1,0 +1,87 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""PNG plots of a TV-OPD run, drawn from `trainer.state.log_history`."""
+
+import os
+
+import matplotlib
+
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _series(log_history, key):
+    points = [(entry["step"], entry[key]) for entry in log_history if entry.get(key) is not None and "step" in entry]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def _save(figure, output_dir, name):
+    path = os.path.join(output_dir, name)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
+    """
+    Writes `accuracy.png`, `tv.png`, `update_norm.png` and `advantage_dispersion.png` into `output_dir`.
+
+    Args:
+        log_history (`list[dict]`): `trainer.state.log_history`.
+        accuracy_history (`list[tuple[int, float]]`): (step, held-out accuracy of the student) pairs.
+        teacher_accuracy (`float`, *optional*): drawn as a horizontal reference on the accuracy plot.
+
+    Returns:
+        `list[str]`: the paths written.
+    """
+    paths = []
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    if accuracy_history:
+        steps, accuracy = zip(*accuracy_history, strict=True)
+        axis.plot(steps, accuracy, marker="o", label="student")
+    if teacher_accuracy is not None:
+        axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label="teacher")
+    axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1), title="Student accuracy")
+    axis.legend()
+    paths.append(_save(figure, output_dir, "accuracy.png"))
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in ("tv/estimate", "tv/ema", "tv/reference"):
+        left.plot(*_series(log_history, key), label=key)
+    left.set(xlabel="optimizer step", ylabel="total variation", title="On-policy TV estimate")
+    left.legend()
+    right.plot(*_series(log_history, "tv/scale"), color="tab:red", label="tv/scale (c_k)")
+    right.set(xlabel="optimizer step", ylabel="c_k", ylim=(0, 1.05), title="TV-OPD scale")
+    right.legend()
+    paths.append(_save(figure, output_dir, "tv.png"))
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot(*_series(log_history, "update/norm"))
+    axis.set(xlabel="optimizer step", ylabel="||theta_k+1 - theta_k||", title="update/norm")
+    paths.append(_save(figure, output_dir, "update_norm.png"))
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in ("advantage/abs_median", "advantage/abs_p99", "advantage/abs_max"):
+        left.plot(*_series(log_history, key), label=key.split("/")[1])
+    left.set(xlabel="optimizer step", ylabel="|delta|", yscale="log", title="Raw advantage magnitude")
+    left.legend()
+    for key in ("advantage/top1pct_energy", "advantage/top10pct_energy"):
+        right.plot(*_series(log_history, key), label=key.split("/")[1])
+    right.set(xlabel="optimizer step", ylabel="share of sum(delta^2)", ylim=(0, 1), title="Energy concentration")
+    right.legend()
+    paths.append(_save(figure, output_dir, "advantage_dispersion.png"))
+    return paths

@@ -1,0 +1,268 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+The main job: distill a teacher into a student with TV-OPD (or any baseline mode) from a YAML recipe.
+
+```bash
+accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml
+tvopd-trl train --config recipes/tiny/tvopd.yaml --learning_rate 3e-3   # the same; CLI flags override the recipe
+```
+
+Without `model_name_or_path` / `teacher_model_name_or_path` / `dataset_name` it runs on the embedded default: the
+tiny addition teacher and student shipped in `tvopd_trl.tiny`, trained on the task's OPD prompt split and evaluated
+on its held-out split. Before and after training it measures held-out accuracy (mean@k at the paper's sampling
+settings, and greedy) of the student and the teacher, and during training every `eval_every_steps` steps. It writes
+the model, PNG plots and `summary.json` into `output_dir`, and prints a summary table.
+"""
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+
+@dataclass
+class MainJobArguments:
+    r"""
+    Arguments of the main job that are not training arguments.
+
+    Parameters:
+        > Parameters that control the models and the data
+
+        model_name_or_path (`str`, *optional*):
+            Student model id or path. Defaults to the embedded tiny student. The teacher is the config's
+            `teacher_model_name_or_path`, defaulting to the embedded tiny teacher.
+        dataset_name (`str`, *optional*):
+            Hub dataset id or local JSON/JSONL file with a conversational `prompt` column. Defaults to the embedded
+            task's OPD prompt split.
+        dataset_train_split (`str`, *optional*, defaults to `"train"`):
+            Split of `dataset_name` to train on.
+        eval_dataset_name (`str`, *optional*):
+            Local JSON/JSONL file or Hub id with `prompt` and `answer` columns for the accuracy evaluation. Defaults
+            to the embedded task's held-out split.
+
+        > Parameters that control the accuracy evaluation
+
+        eval_problems (`int`, *optional*, defaults to `200`):
+            Number of held-out problems evaluated. `0` disables the evaluation.
+        eval_k (`int`, *optional*, defaults to `4`):
+            Samples per problem: the reported accuracy is mean@k.
+        eval_temperature (`float`, *optional*, defaults to `0.6`):
+            Sampling temperature of the evaluation (the paper's).
+        eval_top_p (`float`, *optional*, defaults to `0.95`):
+            Top-p of the evaluation (the paper's).
+        eval_top_k (`int`, *optional*, defaults to `20`):
+            Top-k of the evaluation (the paper's).
+        eval_max_new_tokens (`int`, *optional*, defaults to `16`):
+            Generation budget per response. The paper's is 31,744; the embedded task's answers need a few tokens.
+        eval_every_steps (`int`, *optional*, defaults to `50`):
+            Evaluate the student every this many optimizer steps, for the accuracy curve. `0` disables it.
+    """
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
+    eval_dataset_name: str | None = field(
+        default=None, metadata={"help": "Evaluation problems with `prompt` and `answer` (default: embedded task)."}
+    )
+    eval_problems: int = field(default=200, metadata={"help": "Held-out problems evaluated; 0 disables."})
+    eval_k: int = field(default=4, metadata={"help": "Samples per problem (mean@k)."})
+    eval_temperature: float = field(default=0.6, metadata={"help": "Evaluation sampling temperature."})
+    eval_top_p: float = field(default=0.95, metadata={"help": "Evaluation top-p."})
+    eval_top_k: int = field(default=20, metadata={"help": "Evaluation top-k."})
+    eval_max_new_tokens: int = field(default=16, metadata={"help": "Evaluation generation budget."})
+    eval_every_steps: int = field(default=50, metadata={"help": "Accuracy-curve interval in steps; 0 disables."})
+
+
+def _load_dataset(name, split):
+    from datasets import load_dataset
+
+    if os.path.isfile(name):
+        return load_dataset("json", data_files=name, split="train")
+    return load_dataset(name, split=split)
+
+
+class Accuracy:
+    """Held-out accuracy of a model at the job's evaluation settings: mean@k and greedy."""
+
+    def __init__(self, job_args, tokenizer, dataset):
+        self.job_args, self.tokenizer, self.dataset = job_args, tokenizer, dataset
+
+    def __call__(self, model, greedy=False):
+        import torch
+
+        from ..tiny import evaluate_accuracy
+
+        args = self.job_args
+        # The evaluation seeds its own sampling: keep the training run's random stream untouched.
+        with torch.random.fork_rng():
+            return evaluate_accuracy(
+                model,
+                self.tokenizer,
+                self.dataset,
+                k=args.eval_k,
+                temperature=args.eval_temperature,
+                top_p=args.eval_top_p,
+                top_k=args.eval_top_k,
+                greedy=greedy,
+                max_new_tokens=args.eval_max_new_tokens,
+            )
+
+
+class AccuracyCurveCallback(TrainerCallback):
+    """Evaluates the student every `every` optimizer steps (on the main process) and logs `eval/accuracy`."""
+
+    def __init__(self, accuracy, every):
+        self.accuracy, self.every = accuracy, every
+        self.history = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 and state.is_world_process_zero:
+            self.history.append((state.global_step, self.accuracy(model)))
+
+
+def main(job_args, training_args):
+    from accelerate import PartialState
+    from rich.console import Console
+
+    from .. import tiny
+    from ..plots import plot_run
+    from ..trainer import TVOPDTrainer
+
+    start = time.perf_counter()
+    state = PartialState()
+    student_path = job_args.model_name_or_path or tiny.student_path()
+    teacher_path = training_args.teacher_model_name_or_path or tiny.teacher_path()
+    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
+    student = AutoModelForCausalLM.from_pretrained(student_path)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
+
+    if job_args.dataset_name is None:
+        train_dataset = tiny.prompt_dataset("opd")
+    else:
+        train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_train_split)
+    if job_args.eval_dataset_name is None:
+        eval_problems = tiny.prompt_dataset("test", n=job_args.eval_problems)
+    else:
+        eval_problems = _load_dataset(job_args.eval_dataset_name, "test")
+        eval_problems = eval_problems.select(range(min(job_args.eval_problems, len(eval_problems))))
+    accuracy = Accuracy(job_args, tokenizer, eval_problems) if job_args.eval_problems > 0 else None
+
+    results = {}
+    if accuracy is not None and state.is_main_process:
+        results["teacher_accuracy"], results["teacher_accuracy_greedy"] = accuracy(teacher), accuracy(teacher, True)
+        results["student_accuracy_before"] = accuracy(student)
+        results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
+
+    callbacks = []
+    if accuracy is not None and job_args.eval_every_steps > 0:
+        callbacks.append(AccuracyCurveCallback(accuracy, job_args.eval_every_steps))
+    trainer = TVOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path),
+        callbacks=callbacks,
+    )
+    train_start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    train_seconds = time.perf_counter() - train_start
+    trainer.save_model(training_args.output_dir)
+
+    if state.is_main_process:
+        final_model = trainer.accelerator.unwrap_model(trainer.model)
+        if accuracy is not None:
+            results["student_accuracy_after"] = accuracy(final_model)
+            results["student_accuracy_after_greedy"] = accuracy(final_model, greedy=True)
+        curve = callbacks[0].history if callbacks else []
+        if "student_accuracy_before" in results:
+            curve = [(0, results["student_accuracy_before"]), *curve]
+        plots = plot_run(trainer.state.log_history, curve, training_args.output_dir, results.get("teacher_accuracy"))
+        last = next((e for e in reversed(trainer.state.log_history) if "tv/scale" in e), {})
+        summary = {
+            "advantage_mode": training_args.advantage_mode,
+            "steps": trainer.state.global_step,
+            "wall_seconds": time.perf_counter() - start,
+            "train_seconds": train_seconds,
+            **results,
+            "gap_closed": _gap_closed(results),
+            "final_tv_scale": last.get("tv/scale"),
+            "final_tv_estimate": last.get("tv/estimate"),
+            "accuracy_curve": curve,
+            "student": student_path,
+            "teacher": teacher_path,
+            "plots": [os.path.basename(path) for path in plots],
+            "job_args": asdict(job_args),
+        }
+        with open(os.path.join(training_args.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        Console().print(_summary_table(summary, training_args.output_dir))
+    trainer.accelerator.wait_for_everyone()
+    return trainer
+
+
+def _gap_closed(results):
+    """(after - before) / (teacher - before): the share of the teacher-student gap the run closed."""
+    keys = ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy")
+    if any(key not in results for key in keys):
+        return None
+    before, after, teacher = (results[key] for key in keys)
+    return (after - before) / (teacher - before) if teacher != before else None
+
+
+def _summary_table(summary, output_dir):
+    from rich.table import Table
+
+    table = Table(title=f"TV-OPD main job ({summary['advantage_mode']}, {summary['steps']} steps)")
+    table.add_column("held-out accuracy", justify="left")
+    table.add_column("mean@k (T=0.6, top-p 0.95, top-k 20)", justify="right")
+    table.add_column("greedy", justify="right")
+
+    def fmt(value):
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
+        table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
+    table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
+    gap = summary.get("gap_closed")
+    table.caption = (
+        f"gap closed: {'-' if gap is None else f'{100 * gap:.0f}%'} · final tv/scale "
+        f"{summary['final_tv_scale']} · {summary['wall_seconds']:.0f} s · plots and summary.json in {output_dir}"
+    )
+    return table
+
+
+def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
+    from trl import TrlParser
+
+    from ..config import TVOPDConfig
+
+    dataclass_types = (MainJobArguments, TVOPDConfig)
+    if subparsers is not None:
+        return subparsers.add_parser("train", help="Run the TV-OPD main job", dataclass_types=dataclass_types)
+    return TrlParser(dataclass_types, prog=prog)
+
+
+def run(args=None):
+    job_args, training_args = make_parser().parse_args_and_config(args=args)
+    return main(job_args, training_args)
+
+
+if __name__ == "__main__":
+    run()
