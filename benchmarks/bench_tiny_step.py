@@ -17,7 +17,8 @@ import torch
 from transformers import TrainerCallback
 
 from tvopd_trl import TVOPDTrainer
-from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer, tiny_config
+from tvopd_trl.testing import build_model, build_tokenizer, tiny_config
+from tvopd_trl.tiny import prompt_dataset
 
 
 class StepTimer(TrainerCallback):
@@ -64,7 +65,7 @@ def main():
     cli = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
-    prompts = arithmetic_prompts(1024)
+    prompts = prompt_dataset("opd", n=1024)
     seconds = {"tv": [], "raw": []}
     for _ in range(cli.rounds):
         for mode in seconds:

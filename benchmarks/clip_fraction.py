@@ -9,7 +9,8 @@ one optimizer step. Prints the mean clip_ratio/low and clip_ratio/high of the se
 import tempfile
 
 from tvopd_trl import TVOPDTrainer
-from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer, tiny_config
+from tvopd_trl.testing import build_model, build_tokenizer, tiny_config
+from tvopd_trl.tiny import prompt_dataset
 
 
 tok = build_tokenizer()
@@ -27,7 +28,7 @@ for lr in (3e-3, 1e-2):
         model=build_model(tok, 0, hidden_size=64),
         teacher_model=build_model(tok, 1, hidden_size=128),
         args=args,
-        train_dataset=arithmetic_prompts(1024),
+        train_dataset=prompt_dataset("opd", n=1024),
         processing_class=tok,
         teacher_processing_class=tok,
     )

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tvopd_trl import TVOPDTrainer
-from tvopd_trl.testing import arithmetic_prompts, build_model, build_tokenizer, tiny_config  # noqa: F401
+from tvopd_trl.testing import build_model, build_tokenizer, tiny_config  # noqa: F401
+from tvopd_trl.tiny import prompt_dataset
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -31,7 +32,7 @@ def model_dirs(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def prompts():
-    return arithmetic_prompts(64, seed=1)
+    return prompt_dataset("opd", n=64)
 
 
 @pytest.fixture

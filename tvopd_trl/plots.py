@@ -55,7 +55,7 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
         axis.plot(steps, accuracy, marker="o", label="student")
     if teacher_accuracy is not None:
         axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label="teacher")
-    axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1), title="Student accuracy")
+    axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1.05), title="Student accuracy")
     axis.legend()
     paths.append(_save(figure, output_dir, "accuracy.png"))
 

@@ -240,10 +240,11 @@ def _summary_table(summary, output_dir):
     for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
         table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
     table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
-    gap = summary.get("gap_closed")
+    gap, scale = summary.get("gap_closed"), summary.get("final_tv_scale")
     table.caption = (
         f"gap closed: {'-' if gap is None else f'{100 * gap:.0f}%'} · final tv/scale "
-        f"{summary['final_tv_scale']} · {summary['wall_seconds']:.0f} s · plots and summary.json in {output_dir}"
+        f"{'-' if scale is None else f'{scale:.3f}'} · {summary['wall_seconds']:.0f} s · plots and summary.json in "
+        f"{output_dir}"
     )
     return table
 

@@ -73,25 +73,29 @@ def generate_responses(
         sampling = dict(do_sample=False)
     else:
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
-    torch.manual_seed(seed)
     device = next(model.parameters()).device
     outputs = [[] for _ in prompts]
     expanded = [i for i in range(len(texts)) for _ in range(k)]
     try:
-        for start in range(0, len(expanded), batch_size):
-            rows = expanded[start : start + batch_size]
-            batch = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
-            batch = {key: value.to(device) for key, value in batch.items()}
-            generated = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                **sampling,
-            )
-            completions = tokenizer.batch_decode(generated[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
-            for i, completion in zip(rows, completions, strict=True):
-                outputs[i].append(completion)
+        with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the caller's RNG alone
+            torch.manual_seed(seed)
+            for start in range(0, len(expanded), batch_size):
+                rows = expanded[start : start + batch_size]
+                batch = tokenizer(
+                    [texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False
+                )
+                batch = {key: value.to(device) for key, value in batch.items()}
+                generated = model.generate(
+                    **batch,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    **sampling,
+                )
+                new_tokens = generated[:, batch["input_ids"].size(1) :]
+                completions = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+                for i, completion in zip(rows, completions, strict=True):
+                    outputs[i].append(completion)
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)

@@ -17,8 +17,9 @@ Every problem ``"Compute a + b."`` with ``a, b`` in 10..99 (8,100 problems) fall
 fixed seeded permutation:
 
 - ``"test"`` (500): the held-out evaluation split; no model is ever trained on it;
+- ``"dev"`` (500): used only to pick the student checkpoint (see `build`);
 - ``"opd"`` (1,600): prompts of the on-policy distillation demo; the teacher's supervised training never sees them;
-- ``"sft"`` (6,000): the teacher's supervised training data (the student is an earlier checkpoint of that run).
+- ``"sft"`` (5,500): the teacher's supervised training data (the student is an earlier checkpoint of that run).
 
 The reference response is ``\\boxed{a+b}`` and nothing else: the answer digits are the only tokens that carry
 information, so teacher and student differ exactly there.
@@ -30,8 +31,8 @@ from datasets import Dataset
 
 
 SPLIT_SEED = 1234
-SPLIT_SIZES = {"test": 500, "opd": 1600}  # "sft" takes the rest
-SPLITS = ("test", "opd", "sft")
+SPLIT_SIZES = {"test": 500, "dev": 500, "opd": 1600}  # "sft" takes the rest
+SPLITS = ("test", "dev", "opd", "sft")
 
 
 def _all_problems():
@@ -43,8 +44,13 @@ def _split_pairs(split):
         raise ValueError(f"Unknown split {split!r}; choose one of {SPLITS}.")
     pairs = _all_problems()
     random.Random(SPLIT_SEED).shuffle(pairs)
-    n_test, n_opd = SPLIT_SIZES["test"], SPLIT_SIZES["opd"]
-    return {"test": pairs[:n_test], "opd": pairs[n_test : n_test + n_opd], "sft": pairs[n_test + n_opd :]}[split]
+    bounds, start = {}, 0
+    for name in ("test", "dev", "opd"):
+        bounds[name] = (start, start + SPLIT_SIZES[name])
+        start += SPLIT_SIZES[name]
+    bounds["sft"] = (start, len(pairs))
+    first, last = bounds[split]
+    return pairs[first:last]
 
 
 def question(a, b):

@@ -1,0 +1,65 @@
+"""The main job end to end on the embedded pair, shortened to a few steps."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tvopd_trl.scripts.train import run
+
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "tiny"
+PLOTS = ("accuracy.png", "tv.png", "update_norm.png", "advantage_dispersion.png")
+SHORT = [
+    "--max_steps",
+    "4",
+    "--eval_problems",
+    "8",
+    "--eval_k",
+    "2",
+    "--eval_every_steps",
+    "2",
+    "--logging_steps",
+    "1",
+]
+
+
+def check_outputs(output_dir, mode, steps):
+    summary = json.loads((output_dir / "summary.json").read_text())
+    for key in ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy", "wall_seconds"):
+        assert 0 <= summary[key] and (key == "wall_seconds" or summary[key] <= 1), key
+    assert summary["steps"] == steps and summary["advantage_mode"] == mode
+    assert [step for step, _ in summary["accuracy_curve"]] == [0, 2, 4]
+    for name in PLOTS:
+        with open(output_dir / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    assert (output_dir / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("recipe, mode", [("tvopd", "tv"), ("raw", "raw")])
+def test_shortened_main_job_writes_the_summary_and_the_plots(recipe, mode, tmp_path):
+    run(["--config", str(RECIPES / f"{recipe}.yaml"), "--output_dir", str(tmp_path), *SHORT])
+    check_outputs(tmp_path, mode, steps=4)
+
+
+def test_every_tiny_recipe_parses_into_its_mode():
+    from tvopd_trl.scripts.train import make_parser
+
+    modes = {}
+    for recipe in sorted(RECIPES.glob("*.yaml")):
+        _, training_args = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", "unused"])
+        modes[recipe.stem] = training_args.advantage_mode
+    assert modes == {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
+
+
+def test_console_command_launches_through_accelerate(tmp_path):
+    command = [sys.executable, "-m", "tvopd_trl.cli", "train", "--config", str(RECIPES / "sign.yaml")]
+    command += ["--output_dir", str(tmp_path), "--num_processes", "1", *SHORT]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_outputs(tmp_path, "sign", steps=4)

@@ -1,0 +1,84 @@
+"""The embedded default pair (`tvopd_trl.tiny`): shipped checkpoints, splits, grading and a quick accuracy smoke."""
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tvopd_trl.tiny import (
+    SPLITS,
+    evaluate_accuracy,
+    is_correct,
+    last_boxed,
+    problems,
+    prompt_dataset,
+    student_path,
+    teacher_path,
+)
+from tvopd_trl.tokenizers import check_shared_vocabulary
+
+
+@pytest.fixture(scope="module")
+def pair():
+    loaded = {}
+    for name, path in (("teacher", teacher_path()), ("student", student_path())):
+        loaded[name] = (AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+    return loaded
+
+
+def test_checkpoints_load_like_hub_checkpoints(pair):
+    for model, tokenizer in pair.values():
+        assert model.config.model_type == "qwen2"
+        assert tokenizer.eos_token == "<|im_end|>"
+        assert tokenizer.pad_token is not None and tokenizer.pad_token != tokenizer.eos_token
+        assert tokenizer.padding_side == "left"
+        assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+        assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+        assert model.config.vocab_size == len(tokenizer)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Compute 47 + 86."}], tokenize=False, add_generation_prompt=True
+        )
+        assert text == "<|im_start|>user\nCompute 47 + 86.<|im_end|>\n<|im_start|>assistant\n"
+        ids = tokenizer(text + "\\boxed{133}<|im_end|>", add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == text + "\\boxed{133}<|im_end|>"
+        assert tokenizer.convert_ids_to_tokens(ids[-5:-1]) == ["1", "3", "3", "}"]  # one token per digit
+    (teacher, teacher_tokenizer), (student, student_tokenizer) = pair["teacher"], pair["student"]
+    check_shared_vocabulary(student_tokenizer, teacher_tokenizer)
+    teacher_config, student_config = teacher.config.to_dict(), student.config.to_dict()
+    teacher_config.pop("_name_or_path"), student_config.pop("_name_or_path")
+    assert teacher_config == student_config  # one architecture: the student is an earlier checkpoint of the same run
+
+
+def test_splits_are_disjoint_and_deterministic():
+    pairs = {split: {(p["a"], p["b"]) for p in problems(split)} for split in SPLITS}
+    assert len(pairs["test"]) == 500
+    for i, first in enumerate(SPLITS):
+        for second in SPLITS[i + 1 :]:
+            assert not pairs[first] & pairs[second], (first, second)
+    assert sum(len(p) for p in pairs.values()) == 90 * 90
+    assert problems("test") == problems("test")
+    dataset = prompt_dataset("opd", n=3)
+    assert dataset.column_names == ["prompt", "answer"]
+    assert dataset[0]["prompt"] == [{"role": "user", "content": problems("opd")[0]["question"]}]
+    assert dataset[0]["answer"] == problems("opd")[0]["answer"]
+    with pytest.raises(ValueError):
+        problems("validation")
+
+
+def test_grader():
+    assert last_boxed("\\boxed{12} then \\boxed{133}.") == "133"
+    assert last_boxed("no box") is None
+    assert is_correct("\\boxed{133}", "133")
+    assert is_correct("47 + 86 = 133. The answer is \\boxed{133}.", "133")
+    assert is_correct("\\boxed{133.0}", "133")
+    assert not is_correct("\\boxed{134}", "133")
+    assert not is_correct("\\boxed{133} no wait \\boxed{123}", "133")
+    assert not is_correct("133", "133")
+    assert not is_correct("\\boxed{", "133")
+
+
+def test_teacher_solves_heldout_problems_and_student_does_not(pair):
+    dataset = prompt_dataset("test", n=20)
+    teacher_accuracy = evaluate_accuracy(*pair["teacher"], dataset, greedy=True)
+    student_accuracy = evaluate_accuracy(*pair["student"], dataset, greedy=True)
+    assert teacher_accuracy >= 0.8
+    assert student_accuracy < teacher_accuracy
