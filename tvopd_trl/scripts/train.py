@@ -32,7 +32,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 
 
 @dataclass
@@ -52,8 +52,8 @@ class MainJobArguments:
         dataset_train_split (`str`, *optional*, defaults to `"train"`):
             Split of `dataset_name` to train on.
         eval_dataset_name (`str`, *optional*):
-            Local JSON/JSONL file or Hub id with `prompt` and `answer` columns for the accuracy evaluation. Defaults
-            to the embedded task's held-out split.
+            Local JSON/JSONL file, or Hub id (its `"test"` split), with `prompt` and `answer` columns for the accuracy
+            evaluation. Defaults to the embedded task's held-out split.
 
         > Parameters that control the accuracy evaluation
 
@@ -124,7 +124,7 @@ class Accuracy:
 
 
 class AccuracyCurveCallback(TrainerCallback):
-    """Evaluates the student every `every` optimizer steps (on the main process) and logs `eval/accuracy`."""
+    """Evaluates the student every `every` optimizer steps, on the main process, into `history` as (step, accuracy)."""
 
     def __init__(self, accuracy, every):
         self.accuracy, self.every = accuracy, every
@@ -148,8 +148,6 @@ def main(job_args, training_args):
     student_path = job_args.model_name_or_path or tiny.student_path()
     teacher_path = training_args.teacher_model_name_or_path or tiny.teacher_path()
     tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
-    student = AutoModelForCausalLM.from_pretrained(student_path)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_path)
 
     if job_args.dataset_name is None:
         train_dataset = tiny.prompt_dataset("opd")
@@ -162,34 +160,36 @@ def main(job_args, training_args):
         eval_problems = eval_problems.select(range(min(job_args.eval_problems, len(eval_problems))))
     accuracy = Accuracy(job_args, tokenizer, eval_problems) if job_args.eval_problems > 0 else None
 
-    results = {}
-    if accuracy is not None and state.is_main_process:
-        results["teacher_accuracy"], results["teacher_accuracy_greedy"] = accuracy(teacher), accuracy(teacher, True)
-        results["student_accuracy_before"] = accuracy(student)
-        results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
-
     callbacks = []
     if accuracy is not None and job_args.eval_every_steps > 0:
         callbacks.append(AccuracyCurveCallback(accuracy, job_args.eval_every_steps))
+    # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
     trainer = TVOPDTrainer(
-        model=student,
-        teacher_model=teacher,
+        model=student_path,
+        teacher_model=teacher_path,
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
         teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path),
         callbacks=callbacks,
     )
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+
+    results = {}
+    if accuracy is not None and state.is_main_process:
+        results["teacher_accuracy"], results["teacher_accuracy_greedy"] = accuracy(teacher), accuracy(teacher, True)
+        results["student_accuracy_before"] = accuracy(student)
+        results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     train_seconds = time.perf_counter() - train_start
     trainer.save_model(training_args.output_dir)
 
     if state.is_main_process:
-        final_model = trainer.accelerator.unwrap_model(trainer.model)
         if accuracy is not None:
-            results["student_accuracy_after"] = accuracy(final_model)
-            results["student_accuracy_after_greedy"] = accuracy(final_model, greedy=True)
+            results["student_accuracy_after"] = accuracy(student)
+            results["student_accuracy_after_greedy"] = accuracy(student, greedy=True)
         curve = callbacks[0].history if callbacks else []
         if "student_accuracy_before" in results:
             curve = [(0, results["student_accuracy_before"]), *curve]
