@@ -63,3 +63,22 @@ def test_console_command_launches_through_accelerate(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     check_outputs(tmp_path, "sign", steps=4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model_name_or_path", "some/student"], "Name both `model_name_or_path` and `teacher_model_name_or_path`"),
+        (["--dataset_name", "prompts.jsonl"], "needs `eval_dataset_name`"),
+    ],
+)
+def test_a_custom_run_must_name_what_the_embedded_default_cannot_stand_in_for(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        run(["--config", str(RECIPES / "tvopd.yaml"), "--output_dir", str(tmp_path), *flags])
+
+
+def test_recipe_keys_for_accelerate_do_not_break_the_script(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((RECIPES / "sign.yaml").read_text() + "num_processes: 1\n")
+    run(["--config", str(recipe), "--output_dir", str(tmp_path / "out"), *SHORT])
+    check_outputs(tmp_path / "out", "sign", steps=4)

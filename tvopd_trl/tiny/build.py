@@ -43,16 +43,13 @@ import os
 import random
 import time
 
+import numpy as np
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-
-from . import task  # noqa: E402
-from .grading import evaluate_accuracy  # noqa: E402
+from . import task
+from .grading import evaluate_accuracy
 
 
 CHAT_TEMPLATE = (

@@ -77,7 +77,8 @@ def generate_responses(
     outputs = [[] for _ in prompts]
     expanded = [i for i in range(len(texts)) for _ in range(k)]
     try:
-        with torch.random.fork_rng(devices=[]):  # seeded sampling that leaves the caller's RNG alone
+        # Seeded sampling that leaves the caller's random streams alone (`manual_seed` also reseeds CUDA).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             for start in range(0, len(expanded), batch_size):
                 rows = expanded[start : start + batch_size]
