@@ -76,14 +76,6 @@ def test_grader():
     assert not is_correct("\\boxed{", "133")
 
 
-def test_teacher_solves_heldout_problems_and_student_does_not(pair):
-    dataset = prompt_dataset("test", n=20)
-    teacher_accuracy = evaluate_accuracy(*pair["teacher"], dataset, greedy=True)
-    student_accuracy = evaluate_accuracy(*pair["student"], dataset, greedy=True)
-    assert teacher_accuracy >= 0.8
-    assert student_accuracy < teacher_accuracy
-
-
 def test_shipped_pair_meets_the_accuracy_bounds_on_the_whole_held_out_split(pair):
     # mean@4 at the paper's evaluation settings (temperature 0.6, top-p 0.95, top-k 20), all 500 problems.
     test = prompt_dataset("test")

@@ -103,35 +103,11 @@ def generate_responses(
     return outputs
 
 
-def evaluate_accuracy(
-    model,
-    tokenizer,
-    dataset,
-    k=4,
-    temperature=0.6,
-    top_p=0.95,
-    top_k=20,
-    greedy=False,
-    max_new_tokens=16,
-    batch_size=512,
-    seed=0,
-):
+def evaluate_accuracy(model, tokenizer, dataset, k=4, **generation_kwargs):
     """Mean accuracy over the problems of `dataset` (columns `prompt`, `answer`) and `k` samples each.
 
-    Defaults are the TV-OPD paper's evaluation sampling (temperature 0.6, top-p 0.95, top-k 20, k = 4);
-    `greedy=True` takes one greedy response per problem instead."""
-    responses = generate_responses(
-        model,
-        tokenizer,
-        list(dataset["prompt"]),
-        k=k,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        greedy=greedy,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        seed=seed,
-    )
+    `generation_kwargs` go to [`generate_responses`]; its defaults are the TV-OPD paper's evaluation sampling
+    (temperature 0.6, top-p 0.95, top-k 20), and `greedy=True` takes one greedy response per problem instead."""
+    responses = generate_responses(model, tokenizer, list(dataset["prompt"]), k=k, **generation_kwargs)
     scores = [is_correct(r, answer) for rs, answer in zip(responses, dataset["answer"], strict=True) for r in rs]
     return sum(scores) / len(scores) if scores else math.nan
