@@ -210,7 +210,9 @@ def main(job_args, training_args):
         }
         with open(os.path.join(training_args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        Console().print(_summary_table(summary, training_args.output_dir))
+        console = Console()
+        console.print(_summary_table(summary))
+        console.print(_summary_footer(summary, training_args.output_dir))
     trainer.accelerator.wait_for_everyone()
     return trainer
 
@@ -248,16 +250,13 @@ def _gap_closed(results):
     return (after - before) / (teacher - before) if teacher != before else None
 
 
-def _summary_table(summary, output_dir):
+def _summary_table(summary):
     from rich.table import Table
 
     args = summary["job_args"]
     table = Table(title=f"TV-OPD main job ({summary['advantage_mode']}, {summary['steps']} steps)")
-    table.add_column(f"held-out accuracy ({args['eval_problems']} problems)", justify="left")
-    table.add_column(
-        f"mean@{args['eval_k']} (T={args['eval_temperature']}, top-p {args['eval_top_p']}, top-k {args['eval_top_k']})",
-        justify="right",
-    )
+    table.add_column("held-out accuracy", justify="left")
+    table.add_column(f"mean@{args['eval_k']}", justify="right")
     table.add_column("greedy", justify="right")
 
     def fmt(value):
@@ -266,13 +265,18 @@ def _summary_table(summary, output_dir):
     for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
         table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
     table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
-    gap, scale = summary.get("gap_closed"), summary.get("final_tv_scale")
-    table.caption = (
-        f"gap closed: {'-' if gap is None else f'{100 * gap:.0f}%'} · final tv/scale "
-        f"{'-' if scale is None else f'{scale:.3f}'} · {summary['wall_seconds']:.0f} s · plots and summary.json in "
-        f"{output_dir}"
-    )
     return table
+
+
+def _summary_footer(summary, output_dir):
+    args, gap, scale = summary["job_args"], summary.get("gap_closed"), summary.get("final_tv_scale")
+    return (
+        f"{args['eval_problems']} held-out problems, sampled at T={args['eval_temperature']}, top-p "
+        f"{args['eval_top_p']}, top-k {args['eval_top_k']}\n"
+        f"gap closed: {'-' if gap is None else f'{100 * gap:.0f}%'} · final tv/scale "
+        f"{'-' if scale is None else f'{scale:.3f}'} · {summary['wall_seconds']:.0f} s\n"
+        f"plots and summary.json in {output_dir}"
+    )
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None):
