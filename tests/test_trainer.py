@@ -458,3 +458,12 @@ def test_model_card_names_the_method_and_the_paper(make_trainer, tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "TV-Regulated OPD: Direction Matters in On-Policy Distillation" in card
     assert "xiao2026tvopd" in card and "tv-opd" in card
+
+
+def test_an_iterable_dataset_feeds_rollout_batches(make_trainer, prompts, tmp_path):
+    args = tiny_config(tmp_path, max_steps=4, steps_per_generation=2, per_device_train_batch_size=2)
+    trainer = make_trainer(args, trainer_class=RecordingTrainer, train_dataset=prompts.to_iterable_dataset())
+    trainer.train()
+    logs = step_logs(trainer)
+    assert len(logs) == 4 and ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
+    assert all(record["old_logps"] is not None for record in trainer.recorded)

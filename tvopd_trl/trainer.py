@@ -282,18 +282,19 @@ class TVOPDTrainer(DistillationTrainer):
     def _micro_steps_per_rollout(self):
         return self._micro_batches_per_rollout * self.args.num_iterations
 
+    @property
+    def _global_rollout_size(self):
+        return self.args.per_device_train_batch_size * self.accelerator.num_processes * self._micro_batches_per_rollout
+
     def get_train_dataloader(self):
         dataset = self.train_dataset
-        global_rollout_size = (
-            self.args.per_device_train_batch_size * self.accelerator.num_processes * self._micro_batches_per_rollout
-        )
         if isinstance(dataset, IterableDataset):
             if self.shuffle_dataset:
                 dataset = dataset.shuffle(seed=self.args.seed)
             dataset = repeat_iterable_dataset(
                 dataset,
                 mini_repeat_count=1,
-                batch_size=global_rollout_size,
+                batch_size=self._global_rollout_size,
                 repeat_count=self._micro_steps_per_rollout,
             )
         return self._get_dataloader(
@@ -309,9 +310,7 @@ class TVOPDTrainer(DistillationTrainer):
         return RepeatSampler(
             data_source=self.train_dataset if dataset is None else dataset,
             mini_repeat_count=1,
-            batch_size=self.args.per_device_train_batch_size
-            * self.accelerator.num_processes
-            * self._micro_batches_per_rollout,
+            batch_size=self._global_rollout_size,
             repeat_count=self._micro_steps_per_rollout,
             shuffle=self.shuffle_dataset,
             seed=self.args.seed,
