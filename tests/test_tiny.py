@@ -6,8 +6,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tvopd_trl.tiny import (
     SPLITS,
     evaluate_accuracy,
-    is_correct,
-    last_boxed,
     problems,
     prompt_dataset,
     student_path,
@@ -64,21 +62,8 @@ def test_splits_are_disjoint_and_deterministic():
         problems("validation")
 
 
-def test_grader():
-    assert last_boxed("\\boxed{12} then \\boxed{133}.") == "133"
-    assert last_boxed("no box") is None
-    assert is_correct("\\boxed{133}", "133")
-    assert is_correct("47 + 86 = 133. The answer is \\boxed{133}.", "133")
-    assert is_correct("\\boxed{133.0}", "133")
-    assert not is_correct("\\boxed{134}", "133")
-    assert not is_correct("\\boxed{133} no wait \\boxed{123}", "133")
-    assert not is_correct("133", "133")
-    assert not is_correct("\\boxed{", "133")
-
-
 def test_shipped_pair_meets_the_accuracy_bounds_on_the_whole_held_out_split(pair):
     # mean@4 at the paper's evaluation settings (temperature 0.6, top-p 0.95, top-k 20), all 500 problems.
-    test = prompt_dataset("test")
-    teacher = evaluate_accuracy(*pair["teacher"], test, k=4)
-    student = evaluate_accuracy(*pair["student"], test, k=4)
+    teacher = evaluate_accuracy(*pair["teacher"], "test", k=4)
+    student = evaluate_accuracy(*pair["student"], "test", k=4)
     assert teacher >= 0.9 and student <= 0.4, (teacher, student)

@@ -32,7 +32,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import AutoTokenizer
 
 
 @dataclass
@@ -51,14 +51,16 @@ class MainJobArguments:
             task's OPD prompt split.
         dataset_train_split (`str`, *optional*, defaults to `"train"`):
             Split of `dataset_name` to train on.
-        eval_dataset_name (`str`, *optional*):
-            Local JSON/JSONL file, or Hub id (its `"test"` split), with `prompt` and `answer` columns for the accuracy
-            evaluation. Defaults to the embedded task's held-out split.
+        eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
+            Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
+            the embedded task's held-out split, `tiny`) or a JSONL file with `id`, `problem` and `answer` fields.
+        eval_data_dir (`str`, *optional*):
+            Folder with `<benchmark>.jsonl` files, read instead of the Hub for the paper's benchmarks.
 
         > Parameters that control the accuracy evaluation
 
         eval_problems (`int`, *optional*, defaults to `200`):
-            Number of held-out problems evaluated. `0` disables the evaluation.
+            Number of benchmark problems evaluated (the first ones). `0` disables the evaluation.
         eval_k (`int`, *optional*, defaults to `4`):
             Samples per problem: the reported accuracy is mean@k.
         eval_temperature (`float`, *optional*, defaults to `0.6`):
@@ -71,14 +73,17 @@ class MainJobArguments:
             Generation budget per response. The paper's is 31,744; the embedded task's answers need a few tokens.
         eval_every_steps (`int`, *optional*, defaults to `50`):
             Evaluate the student every this many optimizer steps, for the accuracy curve. `0` disables it.
+        eval_batch_size (`int`, *optional*, defaults to `512`):
+            Sequences generated at once by the evaluation.
     """
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
-    eval_dataset_name: str | None = field(
-        default=None, metadata={"help": "Evaluation problems with `prompt` and `answer` (default: embedded task)."}
+    eval_benchmark: str = field(
+        default="tiny", metadata={"help": "Benchmark name or JSONL file (id, problem, answer)."}
     )
+    eval_data_dir: str | None = field(default=None, metadata={"help": "Folder with local <benchmark>.jsonl files."})
     eval_problems: int = field(default=200, metadata={"help": "Held-out problems evaluated; 0 disables."})
     eval_k: int = field(default=4, metadata={"help": "Samples per problem (mean@k)."})
     eval_temperature: float = field(default=0.6, metadata={"help": "Evaluation sampling temperature."})
@@ -86,6 +91,7 @@ class MainJobArguments:
     eval_top_k: int = field(default=20, metadata={"help": "Evaluation top-k."})
     eval_max_new_tokens: int = field(default=16, metadata={"help": "Evaluation generation budget."})
     eval_every_steps: int = field(default=50, metadata={"help": "Accuracy-curve interval in steps; 0 disables."})
+    eval_batch_size: int = field(default=512, metadata={"help": "Sequences generated at once by the evaluation."})
 
 
 def _load_dataset(name, split):
@@ -97,39 +103,33 @@ def _load_dataset(name, split):
 
 
 class Accuracy:
-    """Held-out accuracy of a model at the job's evaluation settings: mean@k and greedy."""
+    """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy."""
 
-    def __init__(self, job_args, tokenizer, dataset):
-        self.job_args, self.tokenizer, self.dataset = job_args, tokenizer, dataset
+    def __init__(self, job_args, tokenizer):
+        from ..eval import SamplingSettings, load_problems
 
-    def __call__(self, model, greedy=False):
-        from ..tiny import evaluate_accuracy
+        self.job_args, self.tokenizer = job_args, tokenizer
+        self.settings = SamplingSettings(
+            k=job_args.eval_k,
+            temperature=job_args.eval_temperature,
+            top_p=job_args.eval_top_p,
+            top_k=job_args.eval_top_k,
+            max_new_tokens=job_args.eval_max_new_tokens,
+        )
+        self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
+        load_problems(job_args.eval_benchmark, **self.options)  # a bad name or file fails before any training
+
+    def __call__(self, model, greedy=False, output_dir=None):
+        from ..eval import SamplingSettings, TransformersGenerator, evaluate, mean_at_k
 
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
-        args = self.job_args
-        return evaluate_accuracy(
-            model,
-            self.tokenizer,
-            self.dataset,
-            k=args.eval_k,
-            temperature=args.eval_temperature,
-            top_p=args.eval_top_p,
-            top_k=args.eval_top_k,
-            greedy=greedy,
-            max_new_tokens=args.eval_max_new_tokens,
+        settings = (
+            SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
         )
-
-
-class AccuracyCurveCallback(TrainerCallback):
-    """Evaluates the student every `every` optimizer steps, on the main process, into `history` as (step, accuracy)."""
-
-    def __init__(self, accuracy, every):
-        self.accuracy, self.every = accuracy, every
-        self.history = []
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every == 0 and state.is_world_process_zero:
-            self.history.append((state.global_step, self.accuracy(model)))
+        generator = TransformersGenerator(model, self.tokenizer, self.job_args.eval_batch_size)
+        name = self.job_args.eval_benchmark
+        results = evaluate(generator, [name], settings or self.settings, output_dir, **self.options)
+        return mean_at_k(next(iter(results["benchmarks"].values())))
 
 
 def main(job_args, training_args):
@@ -137,6 +137,7 @@ def main(job_args, training_args):
     from rich.console import Console
 
     from .. import tiny
+    from ..eval import BenchmarkEvalCallback, mean_at_k, step_dir
     from ..plots import plot_run
     from ..trainer import TVOPDTrainer
 
@@ -151,16 +152,8 @@ def main(job_args, training_args):
         train_dataset = tiny.prompt_dataset("opd")
     else:
         train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_train_split)
-    if job_args.eval_dataset_name is None:
-        eval_problems = tiny.prompt_dataset("test", n=job_args.eval_problems)
-    else:
-        eval_problems = _load_dataset(job_args.eval_dataset_name, "test")
-        eval_problems = eval_problems.select(range(min(job_args.eval_problems, len(eval_problems))))
-    accuracy = Accuracy(job_args, tokenizer, eval_problems) if job_args.eval_problems > 0 else None
+    accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
 
-    callbacks = []
-    if accuracy is not None and job_args.eval_every_steps > 0:
-        callbacks.append(AccuracyCurveCallback(accuracy, job_args.eval_every_steps))
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
     trainer = TVOPDTrainer(
         model=student_path,
@@ -169,14 +162,29 @@ def main(job_args, training_args):
         train_dataset=train_dataset,
         processing_class=tokenizer,
         teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path),
-        callbacks=callbacks,
     )
+    curve = None
+    if accuracy is not None and job_args.eval_every_steps > 0:
+        curve = BenchmarkEvalCallback(
+            trainer,
+            [job_args.eval_benchmark],
+            job_args.eval_every_steps,
+            accuracy.settings,
+            at_start=False,
+            batch_size=job_args.eval_batch_size,
+            **accuracy.options,
+        )
+        trainer.add_callback(curve)
     results = {}
     if accuracy is not None and state.is_main_process:
         student = trainer.accelerator.unwrap_model(trainer.model)
         teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
-        results["teacher_accuracy"], results["teacher_accuracy_greedy"] = accuracy(teacher), accuracy(teacher, True)
-        results["student_accuracy_before"] = accuracy(student)
+        teacher_dir = os.path.join(training_args.output_dir, "eval", "teacher")
+        results["teacher_accuracy"], results["teacher_accuracy_greedy"] = (
+            accuracy(teacher, False, teacher_dir),
+            accuracy(teacher, True),
+        )
+        results["student_accuracy_before"] = accuracy(student, output_dir=step_dir(training_args.output_dir, 0))
         results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -184,14 +192,24 @@ def main(job_args, training_args):
     trainer.save_model(training_args.output_dir)
 
     if state.is_main_process:
+        history = [
+            (step, mean_at_k(next(iter(r["benchmarks"].values())))) for step, r in (curve.history if curve else [])
+        ]
+        final_step = trainer.state.global_step
         if accuracy is not None:
             student = trainer.accelerator.unwrap_model(trainer.model)  # the trainer may have re-wrapped it
-            results["student_accuracy_after"] = accuracy(student)
+            evaluated = dict(history)
+            if final_step in evaluated:
+                results["student_accuracy_after"] = evaluated[final_step]
+            else:
+                results["student_accuracy_after"] = accuracy(
+                    student, output_dir=step_dir(training_args.output_dir, final_step)
+                )
+                history.append((final_step, results["student_accuracy_after"]))
             results["student_accuracy_after_greedy"] = accuracy(student, greedy=True)
-        curve = callbacks[0].history if callbacks else []
         if "student_accuracy_before" in results:
-            curve = [(0, results["student_accuracy_before"]), *curve]
-        plots = plot_run(trainer.state.log_history, curve, training_args.output_dir, results.get("teacher_accuracy"))
+            history = [(0, results["student_accuracy_before"]), *history]
+        plots = plot_run(trainer.state.log_history, history, training_args.output_dir, results.get("teacher_accuracy"))
         last = next((e for e in reversed(trainer.state.log_history) if "tv/scale" in e), {})
         summary = {
             "advantage_mode": training_args.advantage_mode,
@@ -202,7 +220,7 @@ def main(job_args, training_args):
             "gap_closed": _gap_closed(results),
             "final_tv_scale": last.get("tv/scale"),
             "final_tv_estimate": last.get("tv/estimate"),
-            "accuracy_curve": curve,
+            "accuracy_curve": history,
             "student": student_path,
             "teacher": teacher_path,
             "plots": [os.path.basename(path) for path in plots],
@@ -225,11 +243,11 @@ def _check_job_arguments(job_args, training_args, state):
             "a student and a teacher must share one tokenizer."
         )
     custom = job_args.model_name_or_path is not None or job_args.dataset_name is not None
-    if custom and job_args.eval_problems > 0 and job_args.eval_dataset_name is None:
+    if custom and job_args.eval_problems > 0 and job_args.eval_benchmark == "tiny":
         raise ValueError(
-            "With your own model or dataset, the accuracy evaluation needs `eval_dataset_name` (problems with "
-            "`prompt` and `answer` columns); the default, the embedded addition task, says nothing about your model. "
-            "Set it, or pass `--eval_problems 0`."
+            "With your own model or dataset, set `eval_benchmark` (e.g. `math500` with `eval_data_dir`, or a JSONL "
+            "file with id, problem and answer fields): the default, the embedded addition task, says nothing about "
+            "your model. Or pass `--eval_problems 0`."
         )
     sharded = state.distributed_type.name == "FSDP" or (
         state.distributed_type.name == "DEEPSPEED" and training_args.deepspeed_plugin.zero_stage == 3

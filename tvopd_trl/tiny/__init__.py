@@ -23,17 +23,17 @@ pair (about 4 minutes, bit-identical).
 
 ```python
 >>> from transformers import AutoModelForCausalLM, AutoTokenizer
->>> from tvopd_trl.tiny import evaluate_accuracy, prompt_dataset, student_path, teacher_path
+>>> from tvopd_trl.tiny import evaluate_accuracy, student_path, teacher_path
 
 >>> tokenizer = AutoTokenizer.from_pretrained(student_path())
 >>> student = AutoModelForCausalLM.from_pretrained(student_path())
->>> evaluate_accuracy(student, tokenizer, prompt_dataset("test"))  # k=4 at temperature 0.6, top-p 0.95, top-k 20
+>>> evaluate_accuracy(student, tokenizer, "test")  # mean@4 at temperature 0.6, top-p 0.95, top-k 20
 ```
 """
 
 import os
 
-from .grading import evaluate_accuracy, generate_responses, is_correct, last_boxed
+from .accuracy import evaluate_accuracy
 from .task import SPLITS, problems, prompt_dataset
 
 
@@ -54,9 +54,6 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "SPLITS",
     "evaluate_accuracy",
-    "generate_responses",
-    "is_correct",
-    "last_boxed",
     "problems",
     "prompt_dataset",
     "student_path",

@@ -49,7 +49,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from . import task
-from .grading import evaluate_accuracy
+from .accuracy import evaluate_accuracy
 
 
 CHAT_TEMPLATE = (
@@ -184,10 +184,9 @@ def save_pair_member(model, tokenizer, path):
 
 
 def heldout_report(model, tokenizer):
-    test = task.prompt_dataset("test")
     return {
-        "k4": evaluate_accuracy(model, tokenizer, test, k=4, seed=0),
-        "greedy": evaluate_accuracy(model, tokenizer, test, greedy=True),
+        "k4": evaluate_accuracy(model, tokenizer, "test", k=4, seed=0),
+        "greedy": evaluate_accuracy(model, tokenizer, "test", greedy=True),
     }
 
 
@@ -200,7 +199,6 @@ def build(output_dir, keep_checkpoints=False, log=print, **overrides):
 
     tokenizer = build_tokenizer()
     input_ids, attention_mask, labels = encode_sft(tokenizer, task.problems("sft"))
-    dev = task.prompt_dataset("dev")
     model = build_model(
         tokenizer, settings["hidden_size"], settings["num_layers"], settings["num_heads"], settings["seed"]
     )
@@ -225,7 +223,7 @@ def build(output_dir, keep_checkpoints=False, log=print, **overrides):
 
         in_window = window_start <= step <= window_end and step % settings["checkpoint_every"] == 0
         if in_window and (searching or (keep_checkpoints and (not history or history[-1]["dev"] < 0.8))):
-            dev_accuracy = evaluate_accuracy(model, tokenizer, dev, k=settings["dev_samples"], seed=step)
+            dev_accuracy = evaluate_accuracy(model, tokenizer, "dev", k=settings["dev_samples"], seed=step)
             history.append({"step": step, "loss": round(loss.item(), 4), "dev": dev_accuracy})
             log(f"step {step:5d}  loss {loss.item():.4f}  dev {dev_accuracy:.3f}  ({time.time() - start:.0f}s)")
             if keep_checkpoints:

@@ -1,0 +1,107 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""In-training evaluation: benchmark accuracy every N optimizer steps, logged through `report_to`."""
+
+from transformers import TrainerCallback
+
+from .accuracy import mean_at_k
+from .benchmarks import get_benchmark, load_problems
+from .evaluate import evaluate, step_dir
+from .generation import SamplingSettings, TransformersGenerator
+from .grading import DEFAULT_TIMEOUT_SECONDS
+
+
+class BenchmarkEvalCallback(TrainerCallback):
+    """
+    Evaluates the model being trained on `benchmarks` every `eval_every_steps` optimizer steps (and before the first
+    step when `at_start`), at the paper's training-dynamics protocol by default (mean@4 at T=0.6, top-p 0.95, top-k
+    20).
+
+    Each evaluation logs `eval/<benchmark>/mean@k` with that step's training metrics (so through `report_to`), and
+    writes its records to `<output_dir>/eval/step-<N>/`, beside the checkpoints, where `tvopd-trl select` and
+    `tvopd-trl report` read them. It generates on the main process with the unwrapped model, so it cannot run on
+    parameters sharded by ZeRO-3 or FSDP; evaluate such a run's saved checkpoints with `tvopd-trl eval` instead.
+
+    ```python
+    trainer = TVOPDTrainer(...)
+    trainer.add_callback(BenchmarkEvalCallback(trainer, ["aime24", "aime25"], eval_every_steps=25, data_dir="data"))
+    ```
+    """
+
+    def __init__(
+        self,
+        trainer,
+        benchmarks,
+        eval_every_steps,
+        settings=None,
+        *,
+        at_start=True,
+        data_dir=None,
+        limit=None,
+        prompt_template=None,
+        batch_size=64,
+        workers=2,
+        timeout_seconds=DEFAULT_TIMEOUT_SECONDS,
+    ):
+        if eval_every_steps < 1:
+            raise ValueError(f"`eval_every_steps` must be at least 1 (got {eval_every_steps}).")
+        if trainer.is_fsdp_enabled or (
+            trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
+            raise ValueError(
+                "BenchmarkEvalCallback generates on the main process, which parameters sharded by ZeRO-3 or FSDP "
+                "cannot do. Save checkpoints and evaluate them with `tvopd-trl eval --model <output_dir>`."
+            )
+        self.trainer, self.eval_every_steps, self.at_start = trainer, eval_every_steps, at_start
+        self.benchmarks = [get_benchmark(name) for name in benchmarks]
+        for benchmark in self.benchmarks:  # bad names and files fail now, not after hours of training
+            load_problems(benchmark, data_dir, limit)
+        self.settings = settings or SamplingSettings(k=4)
+        self.options = dict(
+            data_dir=data_dir,
+            limit=limit,
+            prompt_template=prompt_template,
+            workers=workers,
+            timeout_seconds=timeout_seconds,
+        )
+        self.batch_size = batch_size
+        self.history = []  # (step, results) of each evaluation, in order
+
+    def _evaluate(self, args, state):
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        generator = TransformersGenerator(model, trainer.processing_class, batch_size=self.batch_size)
+        results = evaluate(
+            generator,
+            self.benchmarks,
+            self.settings,
+            step_dir(args.output_dir, state.global_step),
+            metadata={"step": state.global_step, "model": args.output_dir},
+            **self.options,
+        )
+        self.history.append((state.global_step, results))
+        return {f"eval/{name}/mean@{scores['k']}": mean_at_k(scores) for name, scores in results["benchmarks"].items()}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.at_start and state.global_step == 0 and state.is_world_process_zero:
+            self.trainer.log(self._evaluate(args, state))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.eval_every_steps != 0:
+            return
+        if state.is_world_process_zero:
+            for key, value in self._evaluate(args, state).items():
+                # TRL trainers average `_metrics` into the step's log: the scores land at this step, beside the loss.
+                self.trainer._metrics["train"][key].append(value)
+        control.should_log = True  # on every process: the log gathers the loss across them

@@ -1,0 +1,91 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Evaluate a model on benchmarks: generate k responses per problem, grade them, score them, write the records.
+
+An evaluation writes, into its output folder, `<benchmark>.jsonl` (one record per response: `problem_id`, `sample`,
+`answer` (the extracted ``\\boxed{}`` content, or null), `correct`, `status`) and `results.json` (the settings and
+each benchmark's scores). A run's evaluations live in `<run dir>/eval/step-<N>/`, beside its checkpoints, which is
+where checkpoint selection and the reports read them.
+"""
+
+import json
+import os
+import time
+
+from .accuracy import summarize
+from .benchmarks import get_benchmark, load_problems
+from .grading import CORRECT, DEFAULT_TIMEOUT_SECONDS, NO_ANSWER, TIMEOUT, grade_responses
+
+
+RESULTS_FILE = "results.json"
+
+
+def step_dir(run_dir, step):
+    """Where a run's evaluation at `step` lives."""
+    return os.path.join(run_dir, "eval", f"step-{step}")
+
+
+def evaluate(
+    generator,
+    benchmarks,
+    settings,
+    output_dir=None,
+    *,
+    data_dir=None,
+    limit=None,
+    prompt_template=None,
+    workers=2,
+    timeout_seconds=DEFAULT_TIMEOUT_SECONDS,
+    save_responses=False,
+    metadata=None,
+):
+    """Scores of `generator` (a [`TransformersGenerator`] or [`VLLMGenerator`]) on each of `benchmarks`.
+
+    Returns `{"benchmarks": {name: scores}, "settings": ..., **metadata}`, where scores are [`summarize`]'s plus
+    the counts of responses with no answer and of grading timeouts. With `output_dir`, writes the per-response
+    records and `results.json` there. `prompt_template` overrides every benchmark's own (see `Benchmark`)."""
+    benchmarks = [get_benchmark(name) for name in benchmarks]  # unknown names fail before any generation
+    results = {"benchmarks": {}, "settings": settings.to_dict(), **(metadata or {})}
+    if output_dir is not None:
+        os.makedirs(output_dir, exist_ok=True)
+    for benchmark in benchmarks:
+        start = time.perf_counter()
+        problems = load_problems(benchmark, data_dir, limit)
+        responses = generator([benchmark.prompt(problem, prompt_template) for problem in problems], settings)
+        flat = [response for samples in responses for response in samples]
+        golds = [problem.answer for problem in problems for _ in range(settings.k)]
+        answers, statuses = grade_responses(flat, golds, workers=workers, timeout_seconds=timeout_seconds)
+        correct = [status == CORRECT for status in statuses]
+        scores = summarize([correct[i : i + settings.k] for i in range(0, len(correct), settings.k)])
+        scores["no_answer"] = statuses.count(NO_ANSWER)
+        scores["timeouts"] = statuses.count(TIMEOUT)
+        scores["seconds"] = time.perf_counter() - start
+        results["benchmarks"][benchmark.name] = scores
+        if output_dir is not None:
+            with open(os.path.join(output_dir, f"{benchmark.name}.jsonl"), "w", encoding="utf-8") as f:
+                for index, (answer, status) in enumerate(zip(answers, statuses, strict=True)):
+                    record = {
+                        "problem_id": problems[index // settings.k].id,
+                        "sample": index % settings.k,
+                        "answer": answer,
+                        "correct": status == CORRECT,
+                        "status": status,
+                    }
+                    if save_responses:
+                        record["response"] = flat[index]
+                    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    if output_dir is not None:
+        with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+            json.dump(results, f, indent=2)
+    return results

@@ -1,0 +1,133 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Sampling k responses per prompt: transformers `generate` (batched) or vLLM's offline `LLM.generate`.
+
+Both backends take chat prompts (lists of messages), render them with the tokenizer's chat template, and return the
+responses as a list (one per prompt) of `k` strings.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class SamplingSettings:
+    """The evaluation's sampling settings; the defaults are the TV-OPD paper's (mean@16 at T=0.6, top-p 0.95,
+    top-k 20, up to 31,744 new tokens). `temperature=0` decodes greedily (all k responses are then the same one)."""
+
+    k: int = 16
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    max_new_tokens: int = 31744
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.k < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"`k` and `max_new_tokens` must be positive (got {self.k}, {self.max_new_tokens}).")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"Need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p}).")
+
+    def to_dict(self):
+        return asdict(self)
+
+
+class TransformersGenerator:
+    """Batched `model.generate` on the model's device; `batch_size` counts sequences (prompt x sample)."""
+
+    def __init__(self, model, tokenizer, batch_size=64):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts, settings):
+        model, tokenizer = self.model, self.tokenizer
+        was_training, padding_side = model.training, tokenizer.padding_side
+        model.eval()
+        tokenizer.padding_side = "left"
+        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        greedy = settings.temperature == 0
+        if greedy:
+            sampling = dict(do_sample=False)
+        else:
+            sampling = dict(
+                do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k
+            )
+        device = next(model.parameters()).device
+        outputs = [[] for _ in prompts]
+        expanded = [i for i in range(len(texts)) for _ in range(1 if greedy else settings.k)]
+        try:
+            # Seeded sampling that leaves the caller's random streams alone (`manual_seed` also reseeds CUDA).
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(settings.seed)
+                for start in range(0, len(expanded), self.batch_size):
+                    rows = expanded[start : start + self.batch_size]
+                    batch = tokenizer(
+                        [texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False
+                    ).to(device)
+                    generated = model.generate(
+                        **batch,
+                        max_new_tokens=settings.max_new_tokens,
+                        pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id,
+                        **sampling,
+                    )
+                    completions = tokenizer.batch_decode(
+                        generated[:, batch["input_ids"].size(1) :], skip_special_tokens=True
+                    )
+                    for i, completion in zip(rows, completions, strict=True):
+                        outputs[i].append(completion)
+        finally:
+            tokenizer.padding_side = padding_side
+            model.train(was_training)
+        return [responses * settings.k for responses in outputs] if greedy else outputs
+
+
+class VLLMGenerator:
+    """vLLM's offline engine: one `LLM.generate` call with `SamplingParams(n=k, ...)` for all prompts.
+
+    Written against vLLM's documented `LLM` / `SamplingParams` API and tested against a stand-in only: vLLM could not
+    run where this library is developed. `llm_kwargs` go to `vllm.LLM` (e.g. `tensor_parallel_size`,
+    `gpu_memory_utilization`, `max_model_len`)."""
+
+    def __init__(self, model, tokenizer, **llm_kwargs):
+        try:
+            from vllm import LLM
+        except ImportError as error:
+            raise ImportError(
+                "The vLLM backend needs vLLM: `pip install tvopd-trl[vllm]` on a machine with a GPU, or use "
+                "`backend='transformers'`."
+            ) from error
+        self.tokenizer = tokenizer
+        self.llm = LLM(model=model, **llm_kwargs)
+
+    def __call__(self, prompts, settings):
+        from vllm import SamplingParams
+
+        texts = [self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        # Token ids, not text: vLLM would add the tokenizer's special tokens to a text prompt a second time.
+        requests = [
+            {"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]} for text in texts
+        ]
+        params = SamplingParams(
+            n=settings.k,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            max_tokens=settings.max_new_tokens,
+            seed=settings.seed,
+        )
+        results = self.llm.generate(requests, params)
+        # vLLM returns one RequestOutput per prompt, in order, each holding its n completions.
+        return [[completion.text for completion in result.outputs] for result in results]

@@ -1,0 +1,127 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Grading: the last ``\\boxed{}`` of a response against the gold answer with math-verify, in a worker pool.
+
+Each item is graded in a worker process under its own wall-clock alarm, so that a pathological expression (sympy can
+run for minutes on some inputs) cannot hang an evaluation: it counts as wrong, with status ``"timeout"``. Grading is
+a pure function of (answer, gold), so results do not depend on the number of workers, timeouts aside.
+"""
+
+import functools
+import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+
+
+CORRECT, INCORRECT, NO_ANSWER, TIMEOUT = "correct", "incorrect", "no_answer", "timeout"
+DEFAULT_TIMEOUT_SECONDS = 10.0
+
+
+def last_boxed(text):
+    """The content of the last ``\\boxed{...}`` in `text` (nested braces allowed), or `None`."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 1, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
+            depth += 1
+        elif text[index] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[begin:index]
+    return None
+
+
+class _GradingTimeout(BaseException):
+    # A BaseException, so that math-verify's and sympy's `except Exception` handlers cannot swallow it.
+    pass
+
+
+def _raise_timeout(signum, frame):
+    raise _GradingTimeout
+
+
+def _disable_math_verify_timeout_warnings():
+    import math_verify.grader
+    import math_verify.parser
+
+    # Its warning says to bring our own timeout when its own is off; `grade_answer` does.
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_boxed(content):
+    from math_verify import parse
+
+    _disable_math_verify_timeout_warnings()
+
+    # Both sides go through the same boxed extraction, so gold and prediction are normalised alike. math-verify's
+    # own signal-based timeouts are off: `grade_answer` puts one alarm around the whole item instead.
+    return parse(f"\\boxed{{{content}}}", parsing_timeout=None)
+
+
+def grade_answer(answer, gold, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
+    """The status of one extracted `answer` (a ``\\boxed{}`` content, or `None`) against `gold`.
+
+    One of `"correct"`, `"incorrect"`, `"no_answer"` (nothing boxed, or an empty box) and `"timeout"`. The alarm
+    needs the main thread of a process: call this in a worker of [`grade`], not in a thread."""
+    from math_verify import verify
+
+    if answer is None or not answer.strip():
+        return NO_ANSWER
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout_seconds)
+    try:
+        gold_parsed, answer_parsed = _parse_boxed(gold), _parse_boxed(answer)
+        equal = bool(gold_parsed) and bool(answer_parsed) and verify(gold_parsed, answer_parsed, timeout_seconds=None)
+        return CORRECT if equal else INCORRECT
+    except _GradingTimeout:
+        return TIMEOUT
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _grade_pair(pair, timeout_seconds):
+    return grade_answer(*pair, timeout_seconds=timeout_seconds)
+
+
+def grade(answers, golds, workers=2, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
+    """Statuses of extracted `answers` against `golds` (equal-length lists), in order, graded by `workers` processes.
+
+    Items with nothing to grade (`None` or empty) never reach the pool."""
+    if len(answers) != len(golds):
+        raise ValueError(f"{len(answers)} answers for {len(golds)} gold answers: pass one gold answer per answer.")
+    if workers < 1:
+        raise ValueError(f"`workers` must be at least 1 (got {workers}): grading runs in worker processes.")
+    statuses = [NO_ANSWER if answer is None or not answer.strip() else None for answer in answers]
+    pending = [i for i, status in enumerate(statuses) if status is None]
+    if pending:
+        # Forked workers start at once and run only math-verify (no torch op, so no inherited thread pool is used);
+        # where fork is unavailable, spawned ones re-import the caller's main module.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)) as pool:
+            chunksize = max(1, len(pending) // (8 * workers))
+            pairs = [(answers[i], golds[i]) for i in pending]
+            grader = functools.partial(_grade_pair, timeout_seconds=timeout_seconds)
+            for i, status in zip(pending, pool.map(grader, pairs, chunksize=chunksize), strict=True):
+                statuses[i] = status
+    return statuses
+
+
+def grade_responses(responses, golds, workers=2, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
+    """(extracted answers, statuses) of full `responses`, each graded on its last ``\\boxed{}``."""
+    answers = [last_boxed(response) for response in responses]
+    return answers, grade(answers, golds, workers=workers, timeout_seconds=timeout_seconds)
