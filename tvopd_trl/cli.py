@@ -11,10 +11,14 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""`tvopd-trl` console command: `tvopd-trl train --config recipe.yaml [accelerate and training flags]`.
+"""The `tvopd-trl` console command.
 
-Like `trl sft`, it runs the training script through `accelerate launch`: flags the script does not know (e.g.
-`--num_processes 2`, or `--accelerate_config zero3` for one of TRL's shipped configs) go to accelerate.
+- `tvopd-trl train --config recipe.yaml [accelerate and training flags]`: like `trl sft`, it runs the training script
+  through `accelerate launch`; flags the script does not know (e.g. `--num_processes 2`, or `--accelerate_config
+  zero3` for one of TRL's shipped configs) go to accelerate.
+- `tvopd-trl eval --model PATH --benchmarks aime24,math500 --k 16`: the paper's evaluation (`tvopd_trl.eval`).
+- `tvopd-trl select RUN_DIR [RUN_DIR ...]`: the paper's checkpoint selection over saved evaluations.
+- `tvopd-trl report --method NAME=RUN_DIR,... --output_dir DIR`: its tables and training curves.
 """
 
 import sys
@@ -33,6 +37,14 @@ def _subtract_subsequence(items, subsequence):
     return kept
 
 
+COMMANDS = {
+    "train": "run the TV-OPD main job",
+    "eval": "evaluate a model or a run's checkpoints on benchmarks",
+    "select": "select each run's checkpoint",
+    "report": "tables and curves from runs' evaluations",
+}
+
+
 def main(argv=None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
@@ -40,12 +52,21 @@ def main(argv=None) -> int:
     from .scripts.train import make_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False)
-    parser.add_argument("command", choices=["train"], help="`train`: run the TV-OPD main job")
-    if not argv or argv[0] not in ("train",):
+    parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False, description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=COMMANDS, help="; ".join(f"`{c}`: {h}" for c, h in COMMANDS.items()))
+    if not argv or argv[0] not in COMMANDS:
         parser.print_help()
         return 0 if not argv else 2
-    script_argv = argv[1:]
+    command, script_argv = argv[0], argv[1:]
+    if command in ("eval", "select", "report"):
+        from .scripts import evaluate, report
+
+        try:
+            evaluate.run(script_argv) if command == "eval" else report.run(command, script_argv)
+        except (ValueError, FileNotFoundError) as error:  # bad input: the message says what to fix
+            print(f"tvopd-trl {command}: error: {error}", file=sys.stderr)
+            return 2
+        return 0
     # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`.
     *_, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
         script_argv, return_remaining_strings=True, separate_remaining_strings=True

@@ -85,3 +85,33 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
     right.legend()
     paths.append(_save(figure, output_dir, "advantage_dispersion.png"))
     return paths
+
+
+def plot_curves(curves, path, title, ylabel="accuracy (%)", scale=100.0):
+    """
+    Writes a training-curve PNG in the style of the paper's training-dynamics figure: for each method, the mean across
+    its runs with a band of one (sample) standard deviation.
+
+    Args:
+        curves (`dict[str, list[dict[int, float]]]`): per method, one `{step: value}` series per run. At each step the
+            mean and deviation are over the runs that evaluated it.
+        path (`str`): the PNG to write.
+
+    Returns:
+        `str`: `path`.
+    """
+    import statistics
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for method, runs in curves.items():
+        steps = sorted(set().union(*(run.keys() for run in runs)))
+        values = [[run[step] * scale for run in runs if step in run] for step in steps]
+        means = [statistics.fmean(v) for v in values]
+        stds = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+        (line,) = axis.plot(steps, means, label=f"{method} (n={len(runs)})")
+        lower = [m - s for m, s in zip(means, stds, strict=True)]
+        upper = [m + s for m, s in zip(means, stds, strict=True)]
+        axis.fill_between(steps, lower, upper, color=line.get_color(), alpha=0.2, linewidth=0)
+    axis.set(xlabel="optimizer step", ylabel=ylabel, title=title)
+    axis.legend()
+    return _save(figure, os.path.dirname(path) or ".", os.path.basename(path))

@@ -29,7 +29,7 @@ class BenchmarkEvalCallback(TrainerCallback):
     20).
 
     Each evaluation logs `eval/<benchmark>/mean@k` with that step's training metrics (so through `report_to`), and
-    writes its records to `<output_dir>/eval/step-<N>/`, beside the checkpoints, where `tvopd-trl select` and
+    writes its records to `<output_dir>/eval/mean@<k>/step-<N>/`, beside the checkpoints, where `tvopd-trl select` and
     `tvopd-trl report` read them. It generates on the main process with the unwrapped model, so it cannot run on
     parameters sharded by ZeRO-3 or FSDP; evaluate such a run's saved checkpoints with `tvopd-trl eval` instead.
 
@@ -86,7 +86,7 @@ class BenchmarkEvalCallback(TrainerCallback):
             generator,
             self.benchmarks,
             self.settings,
-            step_dir(args.output_dir, state.global_step),
+            step_dir(args.output_dir, state.global_step, self.settings.k),
             metadata={"step": state.global_step, "model": args.output_dir},
             **self.options,
         )

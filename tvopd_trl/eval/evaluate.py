@@ -15,8 +15,9 @@
 
 An evaluation writes, into its output folder, `<benchmark>.jsonl` (one record per response: `problem_id`, `sample`,
 `answer` (the extracted ``\\boxed{}`` content, or null), `correct`, `status`) and `results.json` (the settings and
-each benchmark's scores). A run's evaluations live in `<run dir>/eval/step-<N>/`, beside its checkpoints, which is
-where checkpoint selection and the reports read them.
+each benchmark's scores). A run's evaluations live beside its checkpoints, in `<run dir>/eval/mean@<k>/step-<N>/`: one
+folder per protocol, so that the paper's mean@4 training curves and mean@16 checkpoint selection never overwrite each
+other. Checkpoint selection and the reports read them there.
 """
 
 import json
@@ -31,9 +32,9 @@ from .grading import CORRECT, DEFAULT_TIMEOUT_SECONDS, NO_ANSWER, TIMEOUT, grade
 RESULTS_FILE = "results.json"
 
 
-def step_dir(run_dir, step):
-    """Where a run's evaluation at `step` lives."""
-    return os.path.join(run_dir, "eval", f"step-{step}")
+def step_dir(run_dir, step, k):
+    """Where a run's mean@`k` evaluation at `step` lives."""
+    return os.path.join(run_dir, "eval", f"mean@{k}", f"step-{step}")
 
 
 def evaluate(
@@ -54,10 +55,22 @@ def evaluate(
 
     Returns `{"benchmarks": {name: scores}, "settings": ..., **metadata}`, where scores are [`summarize`]'s plus
     the counts of responses with no answer and of grading timeouts. With `output_dir`, writes the per-response
-    records and `results.json` there. `prompt_template` overrides every benchmark's own (see `Benchmark`)."""
+    records and `results.json` there; benchmarks already in that `results.json` are kept if it was written with the
+    same settings, and an evaluation with other settings is refused rather than overwriting it. `prompt_template`
+    overrides every benchmark's own (see `Benchmark`)."""
     benchmarks = [get_benchmark(name) for name in benchmarks]  # unknown names fail before any generation
-    results = {"benchmarks": {}, "settings": settings.to_dict(), **(metadata or {})}
+    protocol = evaluation_protocol(settings, limit, prompt_template)
+    results = {"benchmarks": {}, **protocol, **(metadata or {})}
     if output_dir is not None:
+        previous = read_results(output_dir)
+        if previous is not None:
+            existing = {key: previous.get(key) for key in protocol}
+            if existing != protocol:
+                raise ValueError(
+                    f"{output_dir} holds an evaluation with other settings ({existing}); write this one ({protocol}) "
+                    "elsewhere, or move that one away."
+                )
+            results["benchmarks"] = previous["benchmarks"]
         os.makedirs(output_dir, exist_ok=True)
     for benchmark in benchmarks:
         start = time.perf_counter()
@@ -89,3 +102,17 @@ def evaluate(
         with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
             json.dump(results, f, indent=2)
     return results
+
+
+def evaluation_protocol(settings, limit, prompt_template):
+    """What must match for two evaluations to be one: the sampling settings, the problem limit and the prompt."""
+    return {"settings": settings.to_dict(), "limit": limit, "prompt_template": prompt_template}
+
+
+def read_results(output_dir):
+    """The `results.json` of an evaluation folder, or `None` if there is none."""
+    path = os.path.join(output_dir, RESULTS_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -13,7 +13,7 @@
 # limitations under the License.
 """The paper's checkpoint selection, run aggregation and late-stage retention metrics, over saved evaluations.
 
-A run is `{step: {benchmark: mean@k}}`, read from `<run dir>/eval/step-<N>/results.json` by [`load_run`].
+A run is `{step: {benchmark: mean@k}}`, read from `<run dir>/eval/mean@<k>/step-<N>/results.json` by [`load_run`].
 
 - Selection (paper, "Checkpoint selection"): per run, the earliest checkpoint with the highest unweighted mean of the
   six benchmarks within steps 1..1000; all six scores are read from that checkpoint; across runs, the mean and the
@@ -49,10 +49,32 @@ class Selection(NamedTuple):
     mean: float
 
 
-def load_run(run_dir):
-    """`{step: {benchmark: mean@k}}` of every evaluation saved in `run_dir/eval/step-<N>/`."""
+def evaluated_ks(run_dir):
+    """The k of each mean@k protocol evaluated in `run_dir`, in increasing order."""
+    found = (
+        re.fullmatch(r"mean@(\d+)", os.path.basename(path)) for path in glob.glob(os.path.join(run_dir, "eval", "*"))
+    )
+    return sorted(int(match.group(1)) for match in found if match)
+
+
+def load_run(run_dir, k=None):
+    """`{step: {benchmark: mean@k}}` of the evaluations saved in `run_dir/eval/mean@<k>/step-<N>/`.
+
+    `k` may be left out when the run was evaluated under one protocol only."""
+    ks = evaluated_ks(run_dir)
+    if not ks:
+        raise ValueError(
+            f"{run_dir} has no evaluations (no eval/mean@<k>/step-<N>/{RESULTS_FILE}). Evaluate during training with "
+            f"`BenchmarkEvalCallback`, or afterwards with `tvopd-trl eval --model {run_dir}`."
+        )
+    if k is None:
+        if len(ks) > 1:
+            raise ValueError(f"{run_dir} was evaluated at mean@{ks}; say which k to use.")
+        k = ks[0]
+    if k not in ks:
+        raise ValueError(f"{run_dir} has no mean@{k} evaluations; it has mean@{ks}.")
     run = {}
-    for path in glob.glob(os.path.join(run_dir, "eval", "step-*", RESULTS_FILE)):
+    for path in glob.glob(os.path.join(run_dir, "eval", f"mean@{k}", "step-*", RESULTS_FILE)):
         match = re.fullmatch(r"step-(\d+)", os.path.basename(os.path.dirname(path)))
         if match is None:
             continue
@@ -60,10 +82,7 @@ def load_run(run_dir):
             benchmarks = json.load(f)["benchmarks"]
         run[int(match.group(1))] = {name: mean_at_k(scores) for name, scores in benchmarks.items()}
     if not run:
-        raise ValueError(
-            f"{run_dir} has no evaluations (no eval/step-<N>/{RESULTS_FILE}). Evaluate during training with "
-            f"`BenchmarkEvalCallback`, or afterwards with `tvopd-trl eval --model {run_dir}`."
-        )
+        raise ValueError(f"{run_dir}/eval/mean@{k} holds no step-<N>/{RESULTS_FILE}.")
     return dict(sorted(run.items()))
 
 

@@ -184,7 +184,9 @@ def main(job_args, training_args):
             accuracy(teacher, False, teacher_dir),
             accuracy(teacher, True),
         )
-        results["student_accuracy_before"] = accuracy(student, output_dir=step_dir(training_args.output_dir, 0))
+        results["student_accuracy_before"] = accuracy(
+            student, output_dir=step_dir(training_args.output_dir, 0, job_args.eval_k)
+        )
         results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -203,7 +205,7 @@ def main(job_args, training_args):
                 results["student_accuracy_after"] = evaluated[final_step]
             else:
                 results["student_accuracy_after"] = accuracy(
-                    student, output_dir=step_dir(training_args.output_dir, final_step)
+                    student, output_dir=step_dir(training_args.output_dir, final_step, job_args.eval_k)
                 )
                 history.append((final_step, results["student_accuracy_after"]))
             results["student_accuracy_after_greedy"] = accuracy(student, greedy=True)

@@ -1,0 +1,224 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
+`tvopd-trl eval`: the paper's evaluation of a model, or of every checkpoint of a run, on math benchmarks.
+
+```bash
+tvopd-trl eval --model Qwen/Qwen3-8B --benchmarks aime24,math500 --k 16 --output_dir eval/qwen3-8b
+tvopd-trl eval --model outputs/my-run --k 16   # each checkpoint-N into outputs/my-run/eval/mean@16/step-N
+tvopd-trl eval --model "$(python -c 'import tvopd_trl.tiny as t; print(t.student_path())')" --benchmarks tiny \
+    --k 4 --max_new_tokens 16 --output_dir eval/tiny-student
+```
+
+Each evaluation writes `<benchmark>.jsonl` (one record per response), `results.json` and `table.md`.
+"""
+
+import glob
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..eval.benchmarks import PAPER_BENCHMARKS
+from ..eval.grading import DEFAULT_TIMEOUT_SECONDS
+
+
+@dataclass
+class EvalArguments:
+    r"""
+    Arguments of `tvopd-trl eval`.
+
+    Parameters:
+        > Parameters that control what is evaluated
+
+        model (`str`):
+            Model id or path, or a run directory: then every `checkpoint-<N>` in it is evaluated into
+            `<run>/eval/mean@<k>/step-<N>/`, skipping the benchmarks already evaluated there.
+        benchmarks (`str`, *optional*, defaults to the paper's six):
+            Comma-separated benchmark names (`tvopd_trl.eval.BENCHMARKS`) or JSONL files with `id`, `problem`,
+            `answer`.
+        data_dir (`str`, *optional*):
+            Folder with `<benchmark>.jsonl` files, read instead of the Hub (e.g. `shared/data/benchmarks`).
+        limit (`int`, *optional*):
+            Evaluate only the first `limit` problems of each benchmark.
+        output_dir (`str`, *optional*):
+            Where a single model's evaluation is written. Defaults to `eval/<model name>`.
+
+        > Parameters that control generation
+
+        backend (`str`, *optional*, defaults to `"auto"`):
+            `"transformers"` (batched `generate`), `"vllm"` (offline `LLM.generate`, unverified here), or `"auto"`:
+            vLLM when it is installed and a GPU is visible.
+        k (`int`, *optional*, defaults to `16`):
+            Samples per problem: the reported accuracy is mean@k.
+        temperature, top_p, top_k, max_new_tokens, seed:
+            Sampling settings; the defaults are the paper's (0.6, 0.95, 20, 31,744) and seed 0.
+        prompt_template (`str`, *optional*):
+            User turn with `{problem}` where the problem goes; defaults to each benchmark's own (the paper's
+            benchmarks: the problem, then "Please reason step by step, and put your final answer within \\boxed{}.").
+        batch_size (`int`, *optional*, defaults to `64`):
+            Sequences per `generate` call (transformers backend).
+        dtype (`str`, *optional*, defaults to `"auto"`):
+            Weights dtype for the transformers backend.
+        vllm_tensor_parallel_size, vllm_gpu_memory_utilization, vllm_max_model_len:
+            Passed to `vllm.LLM`.
+
+        > Parameters that control grading and records
+
+        workers (`int`, *optional*, defaults to `2`):
+            Grading processes.
+        grading_timeout (`float`, *optional*, defaults to `10`):
+            Seconds allowed to grade one response; a timeout counts as wrong and is recorded as `"timeout"`.
+        save_responses (`bool`, *optional*, defaults to `False`):
+            Also write each full response into the records.
+    """
+
+    model: str = field(metadata={"help": "Model id or path, or a run directory with checkpoint-N folders."})
+    benchmarks: str = field(default=",".join(PAPER_BENCHMARKS), metadata={"help": "Comma-separated benchmarks."})
+    data_dir: str | None = field(default=None, metadata={"help": "Folder with local <benchmark>.jsonl files."})
+    limit: int | None = field(default=None, metadata={"help": "First N problems of each benchmark only."})
+    output_dir: str | None = field(default=None, metadata={"help": "Output folder of a single model's evaluation."})
+    backend: str = field(default="auto", metadata={"help": "transformers, vllm or auto."})
+    k: int = field(default=16, metadata={"help": "Samples per problem (mean@k)."})
+    temperature: float = field(default=0.6, metadata={"help": "Sampling temperature (0: greedy)."})
+    top_p: float = field(default=0.95, metadata={"help": "Top-p."})
+    top_k: int = field(default=20, metadata={"help": "Top-k."})
+    max_new_tokens: int = field(default=31744, metadata={"help": "Generation budget per response."})
+    seed: int = field(default=0, metadata={"help": "Sampling seed."})
+    prompt_template: str | None = field(default=None, metadata={"help": "User turn with {problem}."})
+    batch_size: int = field(default=64, metadata={"help": "Sequences per generate call (transformers)."})
+    dtype: str = field(default="auto", metadata={"help": "Weights dtype (transformers)."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallelism."})
+    vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "vLLM GPU memory share."})
+    vllm_max_model_len: int | None = field(default=None, metadata={"help": "vLLM context length."})
+    workers: int = field(default=2, metadata={"help": "Grading processes."})
+    grading_timeout: float = field(default=DEFAULT_TIMEOUT_SECONDS, metadata={"help": "Seconds per graded item."})
+    save_responses: bool = field(default=False, metadata={"help": "Write full responses into the records."})
+
+
+def checkpoints(run_dir):
+    """`{step: path}` of the `checkpoint-<N>` folders of a run directory."""
+    found = {}
+    for path in glob.glob(os.path.join(run_dir, "checkpoint-*")):
+        match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
+        if match and os.path.isdir(path):
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def _generator(args, model_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..eval import TransformersGenerator, VLLMGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    backend = args.backend
+    if backend == "auto":
+        import importlib.util
+
+        backend = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "transformers"
+    if backend == "vllm":
+        return VLLMGenerator(
+            model_path,
+            tokenizer,
+            tensor_parallel_size=args.vllm_tensor_parallel_size,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=args.vllm_max_model_len,
+            seed=args.seed,
+        )
+    if backend != "transformers":
+        raise ValueError(f"`backend` must be 'auto', 'transformers' or 'vllm' (got {backend!r}).")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
+    return TransformersGenerator(model.to("cuda" if torch.cuda.is_available() else "cpu"), tokenizer, args.batch_size)
+
+
+def results_table(results):
+    """A Markdown table of an evaluation's scores (mean@k in %, with its standard error)."""
+    lines = [
+        "| benchmark | problems | k | mean@k (%) | pass@k (%) | no answer | timeouts |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, scores in results["benchmarks"].items():
+        k, stderr = scores["k"], scores["stderr"]
+        mean = f"{100 * scores[f'mean@{k}']:.2f}" + ("" if stderr is None else f" ± {100 * stderr:.2f}")
+        lines.append(
+            f"| {name} | {scores['problems']} | {k} | {mean} | {100 * scores[f'pass@{k}']:.2f} | "
+            f"{scores['no_answer']} | {scores['timeouts']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(args):
+    from ..eval import SamplingSettings, evaluate, get_benchmark, load_problems, step_dir
+    from ..eval.evaluate import evaluation_protocol, read_results
+
+    settings = SamplingSettings(
+        k=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
+    for name in names:  # bad names and files fail before any model is loaded
+        load_problems(get_benchmark(name), args.data_dir, args.limit)
+    run_checkpoints = checkpoints(args.model) if os.path.isdir(args.model) else {}
+    if run_checkpoints:
+        targets = [(path, step_dir(args.model, step, args.k), step) for step, path in run_checkpoints.items()]
+    else:
+        output_dir = args.output_dir or os.path.join("eval", os.path.basename(os.path.normpath(args.model)))
+        targets = [(args.model, output_dir, None)]
+    options = dict(
+        data_dir=args.data_dir,
+        limit=args.limit,
+        prompt_template=args.prompt_template,
+        workers=args.workers,
+        timeout_seconds=args.grading_timeout,
+        save_responses=args.save_responses,
+    )
+    protocol = evaluation_protocol(settings, args.limit, args.prompt_template)
+    all_results = []
+    for model_path, output_dir, step in targets:
+        previous = read_results(output_dir) if step is not None else None
+        if previous is not None and any(previous.get(key) != value for key, value in protocol.items()):
+            previous = None  # `evaluate` refuses to mix protocols in one folder, and says so
+        todo = [name for name in names if previous is None or get_benchmark(name).name not in previous["benchmarks"]]
+        if not todo:
+            print(f"step {step}: {', '.join(names)} already evaluated in {output_dir}")
+            all_results.append(previous)
+            continue
+        metadata = {"model": model_path, "step": step}
+        results = evaluate(_generator(args, model_path), todo, settings, output_dir, metadata=metadata, **options)
+        table = results_table(results)
+        with open(os.path.join(output_dir, "table.md"), "w") as f:
+            f.write(table)
+        print(f"{model_path} -> {output_dir}\n{table}")
+        all_results.append(results)
+    return all_results
+
+
+def make_parser(prog=None):
+    from trl import TrlParser
+
+    return TrlParser((EvalArguments,), prog=prog)
+
+
+def run(argv=None):
+    (args,) = make_parser(prog="tvopd-trl eval").parse_args_and_config(args=argv)
+    return main(args)
+
+
+if __name__ == "__main__":
+    run()
