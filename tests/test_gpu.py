@@ -135,10 +135,10 @@ def test_fused_lm_head_runs_trls_triton_kernels_and_matches_float32_log_softmax(
         )
     )
     assert logp_max_diff < 1e-4
-    assert hidden_max_diff < 1e-5  # the backbone is deterministic: both heads saw the same hidden states
     assert torch.isfinite(fused_hidden_grad).all() and hidden_grad_rel < 1e-4
     assert all(p.grad.norm() > 0 for p in student.parameters())  # every parameter has a gradient to compare
     assert max(param_grad_rel.values()) < 1e-3, param_grad_rel
+    assert hidden_max_diff < 1e-5  # the backbone is deterministic: both heads saw the same hidden states
 
 
 # A standard ZeRO-3 DeepSpeed config, "auto" values filled by the Trainer, except the persistence threshold: below it a
@@ -282,7 +282,7 @@ def test_single_gpu_deepspeed_zero3_trains_partitions_and_saves_a_loadable_model
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     command += ["--main_process_port", str(_free_port()), str(script), str(output_dir), str(result_path)]
     process = subprocess.run(
-        command, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert process.returncode == 0 and result_path.exists(), process.stderr[-6000:]
     result = json.loads(result_path.read_text())

@@ -49,8 +49,13 @@ class _GradingTimeout(BaseException):
     pass
 
 
+_alarm_armed = False
+
+
 def _raise_timeout(signum, frame):
-    raise _GradingTimeout
+    # An alarm that lands after the item finished (between disarming and cancelling the timer) is ignored.
+    if _alarm_armed:
+        raise _GradingTimeout
 
 
 def _disable_math_verify_timeout_warnings():
@@ -79,17 +84,21 @@ def grade_answer(answer, gold, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     needs the main thread of a process: call this in a worker of [`grade`], not in a thread."""
     from math_verify import verify
 
+    global _alarm_armed
     if answer is None or not answer.strip():
         return NO_ANSWER
     previous = signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, timeout_seconds)
     try:
+        _alarm_armed = True
+        signal.setitimer(signal.ITIMER_REAL, timeout_seconds)
         gold_parsed, answer_parsed = _parse_boxed(gold), _parse_boxed(answer)
         equal = bool(gold_parsed) and bool(answer_parsed) and verify(gold_parsed, answer_parsed, timeout_seconds=None)
+        _alarm_armed = False
         return CORRECT if equal else INCORRECT
     except _GradingTimeout:
         return TIMEOUT
     finally:
+        _alarm_armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
 

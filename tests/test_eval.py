@@ -1,0 +1,408 @@
+"""The evaluation protocol (`tvopd_trl.eval`): benchmarks, grading, mean@k / pass@k, records, callback, CLI."""
+
+import json
+import math
+import os
+import re
+import sys
+import types
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tvopd_trl.cli import main as cli_main
+from tvopd_trl.eval import (
+    BENCHMARKS,
+    DEFAULT_PROMPT_TEMPLATE,
+    PAPER_BENCHMARKS,
+    BenchmarkEvalCallback,
+    SamplingSettings,
+    TransformersGenerator,
+    VLLMGenerator,
+    evaluate,
+    get_benchmark,
+    grade,
+    grade_responses,
+    load_problems,
+    pass_at_k,
+    register_benchmark,
+    summarize,
+)
+from tvopd_trl.tiny import student_path
+
+from .conftest import tiny_config
+
+
+DATA_DIR = os.path.join(os.path.dirname(__file__), "data", "benchmarks")
+SIZES = {"aime24": 30, "aime25": 30, "aime26": 30, "amc23": 40, "hmmt_feb_2025": 30, "math500": 500}
+
+
+def all_gold_answers():
+    return [problem.answer for name in PAPER_BENCHMARKS for problem in load_problems(name, DATA_DIR)]
+
+
+def perturb(answer):
+    return str(int(answer) + 1) if re.fullmatch(r"-?\d+", answer) else f"{answer}+1"
+
+
+# Benchmarks
+
+
+def test_every_paper_benchmark_loads_from_local_files():
+    for name, size in SIZES.items():
+        problems = load_problems(name, DATA_DIR)
+        assert len(problems) == size and len({p.id for p in problems}) == size, name
+        assert all(p.problem and p.answer for p in problems)
+    assert load_problems("aime24", DATA_DIR)[0].answer == "204"
+    assert len(load_problems("math500", DATA_DIR, limit=7)) == 7
+    assert len(load_problems("tiny")) == 500
+
+
+def test_data_dir_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TVOPD_BENCHMARK_DIR", DATA_DIR)
+    assert len(load_problems("amc23")) == 40
+
+
+def test_unknown_benchmark_lists_the_known_ones():
+    with pytest.raises(ValueError, match="Unknown benchmark 'aime2024'.*aime24, aime25, aime26, amc23"):
+        get_benchmark("aime2024")
+
+
+def test_local_file_missing_a_field_names_file_line_and_field(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n{"id": "b", "problem": "2+2?"}\n')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}, line 2: missing field 'answer'"):
+        load_problems(str(path))
+    path.write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n{"id": "a", "problem": "2+2?", "answer": "4"}\n')
+    with pytest.raises(ValueError, match="duplicate ids"):
+        load_problems(str(path))
+
+
+def test_missing_local_benchmark_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No aime24.jsonl in"):
+        load_problems("aime24", str(tmp_path))
+
+
+def test_user_benchmark_from_a_file(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"id": 1, "problem": "What is 6*7?", "answer": 42}\n')
+    try:
+        benchmark = register_benchmark("mine", str(path), title="Mine")
+        assert load_problems("mine")[0] == ("1", "What is 6*7?", "42")
+        assert benchmark.prompt(load_problems("mine")[0])[0]["content"].startswith("What is 6*7?\nPlease reason")
+        with pytest.raises(ValueError, match="already registered"):
+            register_benchmark("mine", str(path))
+    finally:
+        BENCHMARKS.pop("mine", None)
+    assert get_benchmark(str(path)).name == "mine"  # a path works without registering
+    with pytest.raises(ValueError, match="must contain `{problem}`"):
+        register_benchmark("other", str(path), prompt_template="no placeholder")
+
+
+def test_prompts_use_the_boxed_instruction_and_the_chat_template():
+    problem = load_problems("aime25", DATA_DIR)[0]
+    messages = get_benchmark("aime25").prompt(problem)
+    assert messages == [{"role": "user", "content": DEFAULT_PROMPT_TEMPLATE.replace("{problem}", problem.problem)}]
+    assert "\\boxed{}" in messages[0]["content"]
+    assert get_benchmark("aime25").prompt(problem, "Q: {problem} {A}")[0]["content"] == f"Q: {problem.problem} {{A}}"
+    # The tiny pair was trained on the bare question.
+    assert get_benchmark("tiny").prompt(load_problems("tiny")[0])[0]["content"] == "Compute 22 + 13."
+
+
+def test_hub_loading_maps_the_published_columns(monkeypatch):
+    from datasets import Dataset
+
+    tables = {
+        "MathArena/aime_2025": {"problem_idx": [1, 2], "problem": ["p1", "p2"], "answer": [70, 588]},
+        "math-ai/amc23": {"id": [0], "question": ["q"], "answer": [27.0]},
+        "HuggingFaceH4/MATH-500": {"unique_id": ["test/x.json"], "problem": ["p"], "answer": ["\\frac{1}{2}"]},
+    }
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        return Dataset.from_dict(tables[name])
+
+    monkeypatch.setattr("datasets.load_dataset", fake_load_dataset)
+    monkeypatch.delenv("TVOPD_BENCHMARK_DIR", raising=False)
+    assert load_problems("aime25") == [("1", "p1", "70"), ("2", "p2", "588")]
+    assert load_problems("amc23") == [("0", "q", "27")]  # float answers become the integers a model writes
+    assert load_problems("math500") == [("test/x.json", "p", "\\frac{1}{2}")]
+    assert calls == [("MathArena/aime_2025", "train"), ("math-ai/amc23", "test"), ("HuggingFaceH4/MATH-500", "test")]
+
+
+def test_hub_failure_says_how_to_load_locally(monkeypatch):
+    def offline(name, split):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr("datasets.load_dataset", offline)
+    monkeypatch.delenv("TVOPD_BENCHMARK_DIR", raising=False)
+    with pytest.raises(RuntimeError, match="HuggingFaceH4/aime_2024.*pass `data_dir`.*aime24.jsonl"):
+        load_problems("aime24")
+
+
+# Grading
+
+
+def test_every_gold_answer_written_as_a_model_would_is_correct():
+    golds = all_gold_answers()
+    assert len(golds) == 660
+    answers, statuses = grade_responses([f"Thus, so the answer is \\boxed{{{g}}}." for g in golds], golds)
+    assert answers == golds
+    assert statuses.count("correct") == 660, [g for g, s in zip(golds, statuses, strict=True) if s != "correct"]
+
+
+def test_perturbed_answers_are_wrong():
+    golds = all_gold_answers()
+    statuses = grade([perturb(g) for g in golds], golds)
+    assert statuses.count("correct") == 0, [g for g, s in zip(golds, statuses, strict=True) if s == "correct"]
+    assert statuses.count("incorrect") == 660
+
+
+def test_grading_statuses():
+    responses = [
+        "\\boxed{12} then \\boxed{133}.",  # the last box counts
+        "\\boxed{133.0}",
+        "\\boxed{134}",
+        "\\boxed{133} no wait \\boxed{123}",
+        "133",  # no box
+        "\\boxed{ }",  # empty box
+        "\\boxed{",  # unclosed box
+        "\\boxed{\\frac{266}{2}}",  # nested braces
+    ]
+    answers, statuses = grade_responses(responses, ["133"] * len(responses))
+    assert answers == ["133", "133.0", "134", "123", None, " ", None, "\\frac{266}{2}"]
+    expected = ["correct", "correct", "incorrect", "incorrect", "no_answer", "no_answer", "no_answer", "correct"]
+    assert statuses == expected
+
+
+def test_a_grading_timeout_counts_as_wrong_and_is_recorded():
+    # A 10-microsecond budget: sympy cannot parse and compare anything that fast, so every item times out.
+    statuses = grade(["\\frac{1}{2}", "(x+1)^{12}"], ["0.5", "(1+x)^{12}"], timeout_seconds=1e-5)
+    assert statuses == ["timeout", "timeout"]
+
+
+def test_results_do_not_depend_on_the_number_of_workers():
+    golds = all_gold_answers()[:150]
+    answers = [g if i % 3 else perturb(g) for i, g in enumerate(golds)]
+    one = grade(answers, golds, workers=1)
+    assert one == grade(answers, golds, workers=2) == grade(answers, golds, workers=3)
+    assert one.count("correct") == 100
+
+
+def test_grading_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="one gold answer per answer"):
+        grade(["1"], ["1", "2"])
+    with pytest.raises(ValueError, match="at least 1"):
+        grade(["1"], ["1"], workers=0)
+
+
+# Metrics
+
+
+def test_pass_at_k_matches_the_combinatorial_formula():
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # 1 - C(3,3)/C(5,3)
+    assert pass_at_k(16, 0, 8) == 0.0
+    assert pass_at_k(16, 9, 8) == 1.0  # fewer wrong samples than k
+    assert pass_at_k(16, 4, 1) == pytest.approx(4 / 16)  # pass@1 is the share of correct samples
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_mean_at_k_stderr_and_pass_at_k_by_hand():
+    scores = summarize([[1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    per_problem = [0.25, 1.0, 0.0]
+    mean = sum(per_problem) / 3
+    stderr = math.sqrt(sum((p - mean) ** 2 for p in per_problem) / 2) / math.sqrt(3)
+    assert scores["k"] == 4 and scores["problems"] == 3
+    assert scores["mean@4"] == pytest.approx(5 / 12) and scores["stderr"] == pytest.approx(stderr)
+    assert scores["pass@1"] == pytest.approx(5 / 12)
+    assert scores["pass@2"] == pytest.approx((0.5 + 1 + 0) / 3)
+    assert scores["pass@4"] == pytest.approx(2 / 3)
+    assert summarize([[1, 0]])["stderr"] is None
+    with pytest.raises(ValueError, match="same positive number"):
+        summarize([[1, 0], [1]])
+
+
+# Generation
+
+
+def test_transformers_generator_is_seeded_and_restores_the_model(tokenizer, model_dirs):
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
+    model.train()
+    tokenizer.padding_side = "right"
+    prompts = [[{"role": "user", "content": "Compute 12 + 34."}], [{"role": "user", "content": "Compute 50 + 50."}]]
+    generator = TransformersGenerator(model, tokenizer, batch_size=3)
+    settings = SamplingSettings(k=3, max_new_tokens=5, temperature=1.0, top_k=0, top_p=1.0)
+    first = generator(prompts, settings)
+    assert [len(responses) for responses in first] == [3, 3]
+    assert first == generator(prompts, settings)  # same seed, same responses
+    assert first != generator(prompts, SamplingSettings(**{**settings.to_dict(), "seed": 1}))
+    greedy = generator(prompts, SamplingSettings(k=3, temperature=0, max_new_tokens=5))
+    assert all(len(set(responses)) == 1 and len(responses) == 3 for responses in greedy)
+    assert model.training and tokenizer.padding_side == "right"  # generation pads on the left, then restores
+    tokenizer.padding_side = "left"
+
+
+def test_vllm_generator_requests_token_ids_and_n_samples(monkeypatch, tokenizer):
+    seen = {}
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            seen["params"] = kwargs
+
+    class LLM:
+        def __init__(self, model, **kwargs):
+            seen["llm"] = (model, kwargs)
+
+        def generate(self, requests, params):
+            seen["requests"] = requests
+            n = seen["params"]["n"]
+            completion = types.SimpleNamespace
+            return [
+                types.SimpleNamespace(outputs=[completion(text=f"{i}-{j}") for j in range(n)])
+                for i in range(len(requests))
+            ]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    generator = VLLMGenerator("some/model", tokenizer, tensor_parallel_size=2)
+    prompts = [[{"role": "user", "content": "Compute 12 + 34."}], [{"role": "user", "content": "Compute 1 + 2."}]]
+    responses = generator(prompts, SamplingSettings(k=3, max_new_tokens=100, seed=7))
+    assert responses == [["0-0", "0-1", "0-2"], ["1-0", "1-1", "1-2"]]
+    assert seen["llm"] == ("some/model", {"tensor_parallel_size": 2})
+    assert seen["params"] == dict(n=3, temperature=0.6, top_p=0.95, top_k=20, max_tokens=100, seed=7)
+    text = tokenizer.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True)
+    assert seen["requests"][0] == {"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+
+def test_vllm_generator_without_vllm_says_what_to_install(monkeypatch, tokenizer):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"tvopd-trl\[vllm\]"):
+        VLLMGenerator("some/model", tokenizer)
+
+
+# Records
+
+
+def fixed_generator(responses_for):
+    def generate(prompts, settings):
+        return [responses_for(prompt[0]["content"])[: settings.k] for prompt in prompts]
+
+    return generate
+
+
+def test_evaluate_writes_auditable_records(tmp_path):
+    golds = {p.problem: p.answer for p in load_problems("tiny")}
+
+    def responses_for(content):
+        gold = golds[content]
+        return [f"\\boxed{{{gold}}}", f"\\boxed{{{int(gold) + 1}}}", "I give up"]
+
+    settings = SamplingSettings(k=3, max_new_tokens=8)
+    results = evaluate(fixed_generator(responses_for), ["tiny"], settings, tmp_path, limit=10, save_responses=True)
+    scores = results["benchmarks"]["tiny"]
+    assert scores["mean@3"] == pytest.approx(1 / 3) and scores["pass@3"] == 1.0
+    assert scores["no_answer"] == 10 and scores["timeouts"] == 0
+    records = [json.loads(line) for line in (tmp_path / "tiny.jsonl").read_text().splitlines()]
+    assert len(records) == 30
+    assert records[0] == {
+        "problem_id": "22+13",
+        "sample": 0,
+        "answer": "35",
+        "correct": True,
+        "status": "correct",
+        "response": "\\boxed{35}",
+    }
+    assert records[2]["answer"] is None and records[2]["status"] == "no_answer" and not records[2]["correct"]
+    # Any number can be recomputed from the records.
+    assert sum(r["correct"] for r in records) / len(records) == pytest.approx(scores["mean@3"])
+    assert json.loads((tmp_path / "results.json").read_text())["benchmarks"]["tiny"] == scores
+
+
+def test_evaluate_adds_benchmarks_and_refuses_to_mix_settings(tmp_path):
+    always = fixed_generator(lambda content: ["\\boxed{0}"] * 2)
+    settings = SamplingSettings(k=2)
+    evaluate(always, ["tiny"], settings, tmp_path, limit=3)
+    evaluate(always, ["amc23"], settings, tmp_path, data_dir=DATA_DIR, limit=3)
+    assert set(json.loads((tmp_path / "results.json").read_text())["benchmarks"]) == {"tiny", "amc23"}
+    with pytest.raises(ValueError, match="holds an evaluation with other settings"):
+        evaluate(always, ["tiny"], SamplingSettings(k=2, temperature=1.0), tmp_path, limit=3)
+    with pytest.raises(ValueError, match="Unknown benchmark"):
+        evaluate(always, ["tiny", "nope"], settings)
+
+
+def test_sampling_defaults_are_the_papers():
+    assert SamplingSettings().to_dict() == dict(
+        k=16, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=31744, seed=0
+    )
+    with pytest.raises(ValueError):
+        SamplingSettings(k=0)
+
+
+# End to end
+
+
+def test_eval_command_on_the_tiny_student_writes_records_and_a_table(tmp_path, capsys):
+    output_dir = tmp_path / "student"
+    argv = ["eval", "--model", student_path(), "--benchmarks", "tiny", "--k", "4", "--max_new_tokens", "16"]
+    assert cli_main([*argv, "--limit", "100", "--output_dir", str(output_dir)]) == 0
+    results = json.loads((output_dir / "results.json").read_text())
+    scores = results["benchmarks"]["tiny"]
+    assert scores["problems"] == 100 and scores["k"] == 4
+    assert 0.15 < scores["mean@4"] < 0.55  # the shipped student solves about a third
+    assert len((output_dir / "tiny.jsonl").read_text().splitlines()) == 400
+    table = (output_dir / "table.md").read_text()
+    assert "| tiny | 100 | 4 |" in table and table in capsys.readouterr().out
+
+
+def test_eval_command_evaluates_each_checkpoint_of_a_run_once(tmp_path, capsys):
+    model = AutoModelForCausalLM.from_pretrained(student_path())
+    tokenizer = AutoTokenizer.from_pretrained(student_path())
+    for step in (10, 20):
+        model.save_pretrained(tmp_path / f"checkpoint-{step}")
+        tokenizer.save_pretrained(tmp_path / f"checkpoint-{step}")
+    argv = ["eval", "--model", str(tmp_path), "--benchmarks", "tiny", "--k", "2", "--max_new_tokens", "16"]
+    assert cli_main([*argv, "--limit", "20"]) == 0
+    records = [tmp_path / "eval" / "mean@2" / f"step-{step}" / "tiny.jsonl" for step in (10, 20)]
+    assert all(path.is_file() for path in records)
+    written = [path.stat().st_mtime_ns for path in records]
+    assert cli_main([*argv, "--limit", "20"]) == 0
+    assert [path.stat().st_mtime_ns for path in records] == written
+    assert "already evaluated" in capsys.readouterr().out
+
+
+def test_eval_command_reports_bad_input_without_a_traceback(capsys):
+    assert cli_main(["eval", "--model", student_path(), "--benchmarks", "tiny,aime2024"]) == 2
+    assert "Unknown benchmark 'aime2024'" in capsys.readouterr().err
+
+
+# In-training evaluation
+
+
+def test_callback_logs_eval_metrics_and_writes_records_beside_checkpoints(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=4, logging_steps=3))
+    settings = SamplingSettings(k=2, max_new_tokens=8)
+    callback = BenchmarkEvalCallback(trainer, ["tiny"], eval_every_steps=2, settings=settings, limit=6)
+    trainer.add_callback(callback)
+    trainer.train()
+    assert [step for step, _ in callback.history] == [0, 2, 4]
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "eval/tiny/mean@2" in entry}
+    assert sorted(logged) == [0, 2, 4]
+    assert "loss" in logged[2] and "tv/scale" in logged[2]  # logged with that step's training metrics
+    for step, results in callback.history:
+        folder = tmp_path / "eval" / "mean@2" / f"step-{step}"
+        saved = json.loads((folder / "results.json").read_text())
+        assert saved["step"] == step and saved["benchmarks"] == results["benchmarks"]
+        assert logged[step]["eval/tiny/mean@2"] == results["benchmarks"]["tiny"]["mean@2"]
+        assert len((folder / "tiny.jsonl").read_text().splitlines()) == 12
+
+
+def test_callback_validates_its_benchmarks_before_training(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path))
+    with pytest.raises(ValueError, match="Unknown benchmark"):
+        BenchmarkEvalCallback(trainer, ["aime2024"], eval_every_steps=2)
+    with pytest.raises(FileNotFoundError, match="No aime24.jsonl"):
+        BenchmarkEvalCallback(trainer, ["aime24"], eval_every_steps=2, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="at least 1"):
+        BenchmarkEvalCallback(trainer, ["tiny"], eval_every_steps=0)
