@@ -315,6 +315,7 @@ def test_single_gpu_deepspeed_zero3_trains_partitions_and_saves_a_loadable_model
     new = torch.cat([p.detach().float().flatten() for p in reloaded.parameters()])
     old = torch.cat([p.detach().float().flatten() for p in original.parameters()])
     assert torch.isfinite(new).all()
-    # Trained: further from the shipped student than rounding it to the saved (16-bit) dtype would move it.
-    rounding = (old.to(reloaded.dtype).float() - old).abs().max()
-    assert (new - old).abs().max() > 2 * rounding + 1e-6
+    # Trained: most weights differ from the shipped student's, rounded to the saved (16-bit) dtype as DeepSpeed did.
+    changed = (new != old.to(reloaded.dtype).float()).float().mean().item()
+    print(json.dumps({"reloaded_dtype": str(reloaded.dtype), "changed_fraction": changed}))
+    assert changed > 0.25

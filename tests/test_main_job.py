@@ -33,6 +33,10 @@ def check_outputs(output_dir, mode, steps):
         assert 0 <= summary[key] and (key == "wall_seconds" or summary[key] <= 1), key
     assert summary["steps"] == steps and summary["advantage_mode"] == mode
     assert [step for step, _ in summary["accuracy_curve"]] == [0, 2, 4]
+    for step, accuracy in summary["accuracy_curve"]:  # each point is backed by its records
+        saved = json.loads((output_dir / "eval" / "mean@2" / f"step-{step}" / "results.json").read_text())
+        assert saved["benchmarks"]["tiny"]["mean@2"] == accuracy
+        assert len((output_dir / "eval" / "mean@2" / f"step-{step}" / "tiny.jsonl").read_text().splitlines()) == 16
     for name in PLOTS:
         with open(output_dir / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
@@ -69,7 +73,8 @@ def test_console_command_launches_through_accelerate(tmp_path):
     "flags, message",
     [
         (["--model_name_or_path", "some/student"], "Name both `model_name_or_path` and `teacher_model_name_or_path`"),
-        (["--dataset_name", "prompts.jsonl"], "needs `eval_dataset_name`"),
+        (["--dataset_name", "prompts.jsonl"], "set `eval_benchmark`"),
+        (["--eval_benchmark", "aime2024"], "Unknown benchmark .aime2024."),
     ],
 )
 def test_a_custom_run_must_name_what_the_embedded_default_cannot_stand_in_for(flags, message, tmp_path):
