@@ -18,12 +18,14 @@ __version__ = "0.1.0.dev0"
 from .advantages import ADVANTAGE_MODES, compute_advantages
 from .callbacks import TVScheduleCallback
 from .config import TVOPDConfig
+from .eval import BenchmarkEvalCallback
 from .trainer import TVOPDTrainer
 from .tv import TVScheduler, tv_estimate
 
 
 __all__ = [
     "ADVANTAGE_MODES",
+    "BenchmarkEvalCallback",
     "TVOPDConfig",
     "TVOPDTrainer",
     "TVScheduleCallback",
