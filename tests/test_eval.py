@@ -372,9 +372,11 @@ def test_eval_command_evaluates_each_checkpoint_of_a_run_once(tmp_path, capsys):
     assert "already evaluated" in capsys.readouterr().out
 
 
-def test_eval_command_reports_bad_input_without_a_traceback(capsys):
+def test_eval_command_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert cli_main(["eval", "--model", student_path(), "--benchmarks", "tiny,aime2024"]) == 2
     assert "Unknown benchmark 'aime2024'" in capsys.readouterr().err
+    assert cli_main(["eval", "--model", str(tmp_path), "--benchmarks", "tiny"]) == 2
+    assert "neither a model (no config.json) nor a run directory" in capsys.readouterr().err
 
 
 # In-training evaluation

@@ -175,6 +175,15 @@ def main(args):
     for name in names:  # bad names and files fail before any model is loaded
         load_problems(get_benchmark(name), args.data_dir, args.limit)
     run_checkpoints = checkpoints(args.model) if os.path.isdir(args.model) else {}
+    if (
+        os.path.isdir(args.model)
+        and not run_checkpoints
+        and not os.path.isfile(os.path.join(args.model, "config.json"))
+    ):
+        raise ValueError(
+            f"{args.model} is neither a model (no config.json) nor a run directory (no checkpoint-<N> folders): "
+            "nothing to evaluate. Save checkpoints during training (`save_strategy`), or point at a model."
+        )
     if run_checkpoints:
         targets = [(path, step_dir(args.model, step, args.k), step) for step, path in run_checkpoints.items()]
     else:
