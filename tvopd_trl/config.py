@@ -99,6 +99,18 @@ class TVOPDConfig(DistillationConfig):
         vllm_importance_sampling_cap (`float`, *optional*, defaults to `3.0`):
             Truncation of that ratio (TRL GRPO's default).
 
+        > Parameters that control a served teacher
+
+        teacher_model_server_url (`str`, *optional*):
+            Base URL of a vLLM server that hosts the teacher (e.g. `"http://teacher-node:8000"`, started with `trl
+            vllm-serve` or `vllm serve`), as in TRL's `ServerDistillationConfig`. The teacher then scores each sampled
+            token with one prefill request (`VLLMClient.get_sequence_logprobs`) instead of living in the training
+            processes, which frees their memory for the student. Pass no `teacher_model` to the trainer then, and
+            `teacher_processing_class` to check the vocabularies. Needs vLLM's client (`pip install tvopd-trl[vllm]`);
+            not usable with `advantage_mode="vopd"` or `log_exact_tv`, which need the full next-token distribution.
+        teacher_model_server_timeout (`float`, *optional*, defaults to `240.0`):
+            Seconds to wait for the teacher server to answer its health check before training fails.
+
     > [!NOTE]
     > These parameters have default values different from [`~trl.DistillationConfig`]:
     > - `disable_dropout`: Defaults to `True` instead of `False`: a probability ratio needs a deterministic policy.
@@ -171,6 +183,14 @@ class TVOPDConfig(DistillationConfig):
         default=3.0, metadata={"help": "Truncation of the vLLM importance-sampling ratio."}
     )
 
+    # Parameters that control a served teacher
+    teacher_model_server_url: str | None = field(
+        default=None, metadata={"help": "Base URL of a vLLM server hosting the teacher (scores sampled tokens)."}
+    )
+    teacher_model_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait for the teacher server's health check."}
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.advantage_mode not in ADVANTAGE_MODES:
@@ -189,6 +209,12 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         if self.vllm_importance_sampling_cap <= 0:
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
+        if self.teacher_model_server_url is not None and (self.advantage_mode == "vopd" or self.log_exact_tv):
+            raise ValueError(
+                "advantage_mode='vopd' and log_exact_tv=True need the teacher's full next-token distribution, which a "
+                "teacher server (teacher_model_server_url) does not return. Load the teacher in-process, or use "
+                "another mode and log_exact_tv=False."
+            )
 
         mode = self.advantage_mode
         if mode == "clip":

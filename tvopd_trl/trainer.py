@@ -22,6 +22,7 @@ from datasets import IterableDataset
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from trl import DistillationTrainer
+from trl.import_utils import is_vllm_available
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
@@ -97,6 +98,9 @@ class TVOPDTrainer(DistillationTrainer):
             The teacher's tokenizer, compared with the student's at construction. When `None`, it is loaded from the
             teacher's local directory if there is one; otherwise only `vocab_size` can be compared (a warning says
             so).
+
+    With `args.teacher_model_server_url`, the teacher is a vLLM server instead: pass no `teacher_model`, and each
+    sampled token's teacher log-probability comes from one prefill request per rollout batch.
     """
 
     _tag_names = ["trl", "distillation", "on-policy-distillation", "tv-opd"]
@@ -133,8 +137,25 @@ class TVOPDTrainer(DistillationTrainer):
             args = TVOPDConfig(f"{name.split('/')[-1]}-TVOPD")
         if not isinstance(args, TVOPDConfig):
             raise TypeError(f"`args` must be a TVOPDConfig, got {type(args).__name__}.")
-        if teacher_model is None:
-            raise ValueError("TVOPDTrainer needs a `teacher_model` (a model or a path): it supplies every advantage.")
+        served = args.teacher_model_server_url is not None
+        if served and teacher_model is not None:
+            raise ValueError(
+                "Pass either a `teacher_model` or `teacher_model_server_url` in the config, not both: with a teacher "
+                "server, no teacher is loaded in the training processes."
+            )
+        if not served and teacher_model is None:
+            raise ValueError(
+                "TVOPDTrainer needs a `teacher_model` (a model or a path), or `teacher_model_server_url` in the config: "
+                "the teacher supplies every advantage."
+            )
+        if (args.use_vllm or served) and not is_vllm_available():
+            feature = "use_vllm=True" if args.use_vllm else "teacher_model_server_url"
+            raise ImportError(
+                f"{feature} needs vLLM, which is not installed: `pip install tvopd-trl[vllm]` on the training machines, "
+                "or train without it (transformers generation, in-process teacher)."
+            )
+        # Connected before any model loads, so that an unreachable server fails at once.
+        teacher_client = self._connect_teacher_server(args) if served else None
         if args.use_vllm and tools:
             raise ValueError(
                 "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "
@@ -166,11 +187,12 @@ class TVOPDTrainer(DistillationTrainer):
                 f"({type(self.processing_class).__name__}). Pass the model's tokenizer as `processing_class`."
             )
 
+        self._teacher_client = teacher_client
         student = self.accelerator.unwrap_model(self.model)
-        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
         self._check_teacher(teacher, teacher_processing_class, teacher_source)
         self._warn_on_off_policy_sampling()
-        if args.advantage_mode == "vopd" or args.log_exact_tv:
+        if args.advantage_mode == "vopd" or args.log_exact_tv:  # the config refuses these with a served teacher
             for config in (student.config.get_text_config(), teacher.config.get_text_config()):
                 found = [name for name in _LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
                 if found:
@@ -187,7 +209,8 @@ class TVOPDTrainer(DistillationTrainer):
             temperature=self.temperature,
             cast_lm_head_to_fp32=True,
         )
-        add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
+        if teacher is not None:
+            add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
 
         # First in line, so that every other callback's `on_optimizer_step` sees the finished step.
         self.callback_handler.callbacks.insert(0, _AfterOptimizerStep(self))
@@ -216,19 +239,36 @@ class TVOPDTrainer(DistillationTrainer):
     # Construction checks
     # ----------------------------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _connect_teacher_server(args):
+        from trl.generation.vllm_client import VLLMClient
+
+        url, timeout = args.teacher_model_server_url, args.teacher_model_server_timeout
+        try:
+            return VLLMClient(base_url=url, connection_timeout=timeout)
+        except OSError as error:  # requests' connection errors, raised by the client's health check
+            raise ConnectionError(
+                f"The teacher server at {url} (teacher_model_server_url) did not answer within {timeout} s. Start it "
+                "first, e.g. `trl vllm-serve --model <teacher>`, or fix the URL; `teacher_model_server_timeout` sets "
+                "how long to wait."
+            ) from error
+
     def _check_teacher(self, teacher, teacher_processing_class, teacher_source):
-        if teacher_processing_class is None:
+        if teacher_processing_class is None and teacher is not None:
             source = teacher_source or teacher.config._name_or_path
             if source and os.path.isdir(source):
                 teacher_processing_class = AutoTokenizer.from_pretrained(source)
         if teacher_processing_class is None:
+            compared = "nothing" if teacher is None else "only vocab_size"
             warnings.warn(
-                "The teacher's tokenizer is unknown, so only vocab_size was compared with the student's. Pass "
+                f"The teacher's tokenizer is unknown, so {compared} was compared with the student's. Pass "
                 "`teacher_processing_class` to check that both share one vocabulary.",
                 stacklevel=3,
             )
         else:
             check_shared_vocabulary(self._tokenizer, teacher_processing_class)
+        if teacher is None:
+            return
 
         student_dtype = next(self.accelerator.unwrap_model(self.model).parameters()).dtype
         teacher_dtype = next(teacher.parameters()).dtype
@@ -381,9 +421,12 @@ class TVOPDTrainer(DistillationTrainer):
         loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
 
         with torch.no_grad():
-            output["teacher_logps"] = self._sampled_token_logps(
-                self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
-            )
+            if self._teacher_client is not None:
+                output["teacher_logps"] = self._served_teacher_logps(output)
+            else:
+                output["teacher_logps"] = self._sampled_token_logps(
+                    self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
+                )
             # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the
             # loss pass's own detached log-probabilities are pi_old, and this extra forward is skipped.
             if self._micro_steps_per_rollout > self.args.gradient_accumulation_steps and mode == "train":
@@ -401,6 +444,36 @@ class TVOPDTrainer(DistillationTrainer):
             output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
         output["loss_mask"] = loss_mask
         return output
+
+    def _served_teacher_logps(self, output):
+        """The teacher server's float32 `(B, T)` log-probabilities of the sampled completion tokens (0 at padding).
+
+        One prefill request scores each unpadded prompt + completion; vLLM always returns the log-probability of the
+        actual token beside the top-1, so `top_logprobs=1` suffices. A token the server reports no value for comes
+        back as -inf and is dropped by the loss like any non-finite teacher log-probability."""
+        prompt_mask = output["prompt_mask"].bool().cpu()
+        completion_mask = output["completion_mask"].bool().cpu()
+        prompt_ids, completion_ids = output["prompt_ids"].cpu(), output["completion_ids"].cpu()
+        sequences = [
+            prompt[p_mask].tolist() + completion[c_mask].tolist()
+            for prompt, p_mask, completion, c_mask in zip(
+                prompt_ids, prompt_mask, completion_ids, completion_mask, strict=True
+            )
+        ]
+        result = self._teacher_client.get_sequence_logprobs(
+            sequences, prompt_mask.sum(dim=1).tolist(), top_logprobs=1, temperature=self.temperature
+        )
+        logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
+        for row, (values, length) in enumerate(
+            zip(result["actual_logprobs"], completion_mask.sum(dim=1), strict=True)
+        ):
+            if len(values) != length:
+                raise RuntimeError(
+                    f"The teacher server returned {len(values)} log-probabilities for a completion of {int(length)} "
+                    "tokens; is it serving the same tokenizer as the student?"
+                )
+            logps[row, :length] = torch.tensor([value[0] for value in values], dtype=torch.float32)
+        return logps.to(self.accelerator.device)
 
     def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
         """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks."""

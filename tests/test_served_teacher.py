@@ -1,0 +1,146 @@
+"""A teacher served by vLLM (`teacher_model_server_url`), against a local HTTP stand-in of vLLM's completions API.
+
+The stand-in answers `/health`, `/v1/models` and `/v1/completions` with `prompt_logprobs` the way vLLM documents them
+(one entry per prompt position, `None` first; each maps token ids to `{"logprob", "rank"}` and always includes the
+actual token). It scores with a real local teacher, so the trainer's teacher log-probabilities can be checked exactly.
+TRL's own `VLLMClient` makes the requests; only its "is vLLM installed" gate is lifted. No real vLLM server ran.
+"""
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from .conftest import tiny_config
+
+
+class _VLLMStandIn(BaseHTTPRequestHandler):
+    teacher = None
+    requests = []
+
+    def log_message(self, *args):
+        pass
+
+    def _reply(self, payload, status=200):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._reply({})
+        elif self.path == "/v1/models":
+            self._reply({"data": [{"id": "tiny-teacher"}]})
+        else:
+            self._reply({"error": self.path}, status=404)
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).requests.append(request)
+        choices = []
+        for sequence in request["prompt"]:
+            with torch.no_grad():
+                logits = type(self).teacher(torch.tensor([sequence])).logits[0].float()
+            logps = torch.log_softmax(logits / request["temperature"], dim=-1)
+            entries = [None]
+            for position in range(1, len(sequence)):
+                row = logps[position - 1]
+                ranks = torch.argsort(row, descending=True)
+                top = {
+                    int(t): {"logprob": row[t].item(), "rank": i + 1}
+                    for i, t in enumerate(ranks[: request["prompt_logprobs"]])
+                }
+                actual = sequence[position]
+                top.setdefault(actual, {"logprob": row[actual].item(), "rank": int((row > row[actual]).sum()) + 1})
+                entries.append({str(token): value for token, value in top.items()})
+            choices.append({"text": "", "prompt_logprobs": entries})
+        self._reply({"choices": choices})
+
+
+@pytest.fixture
+def teacher_server(model_dirs, monkeypatch):
+    import trl.generation.vllm_client
+
+    # vLLM itself is not installed here; TRL's client only needs `requests` for these calls.
+    monkeypatch.setattr(trl.generation.vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
+    _VLLMStandIn.teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"]).eval()
+    _VLLMStandIn.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _VLLMStandIn)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def served_trainer(make_trainer, url, tmp_path, tokenizer, **overrides):
+    args = tiny_config(tmp_path, teacher_model_server_url=url, teacher_model_server_timeout=5, **overrides)
+    return make_trainer(args, teacher_model=None, teacher_processing_class=tokenizer)
+
+
+def test_served_teacher_log_probs_are_the_teachers(make_trainer, teacher_server, tmp_path, tokenizer):
+    trainer = served_trainer(make_trainer, teacher_server, tmp_path, tokenizer, temperature=0.7)
+    assert trainer.teacher_model is None
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+    # The reference: the same teacher, in process, at the sampling temperature, on the unpadded sequences.
+    teacher = _VLLMStandIn.teacher
+    mask = batch["completion_mask"].bool()
+    for row in range(batch["completion_ids"].size(0)):
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()]
+        completion = batch["completion_ids"][row][mask[row]]
+        sequence = torch.cat([prompt, completion])
+        with torch.no_grad():
+            logps = torch.log_softmax(teacher(sequence[None]).logits[0].float() / 0.7, dim=-1)
+        expected = logps[len(prompt) - 1 : -1].gather(1, completion[:, None]).squeeze(1)
+        torch.testing.assert_close(batch["teacher_logps"][row][mask[row]], expected, atol=1e-5, rtol=0)
+        assert (batch["teacher_logps"][row][~mask[row]] == 0).all()
+    (request,) = _VLLMStandIn.requests
+    assert request["max_tokens"] == 1 and request["prompt_logprobs"] == 1 and request["temperature"] == 0.7
+    assert request["model"] == "tiny-teacher" and len(request["prompt"]) == batch["completion_ids"].size(0)
+
+
+def test_training_with_a_served_teacher(make_trainer, teacher_server, tmp_path, tokenizer):
+    trainer = served_trainer(make_trainer, teacher_server, tmp_path, tokenizer, max_steps=3)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    assert len(logs) == 3 and all(math.isfinite(entry["tv/estimate"]) and entry["tv/estimate"] > 0 for entry in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    assert len(_VLLMStandIn.requests) == 3  # one prefill request per rollout batch
+
+
+def test_an_unreachable_teacher_server_fails_before_any_model_loads(monkeypatch, tmp_path):
+    import trl.generation.vllm_client
+
+    from tvopd_trl import TVOPDTrainer
+
+    monkeypatch.setattr(trl.generation.vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
+    args = tiny_config(tmp_path, teacher_model_server_url="http://127.0.0.1:9", teacher_model_server_timeout=0)
+    # A student path that does not exist: loading it would raise an OSError, not the connection error.
+    with pytest.raises(ConnectionError, match=r"teacher server at http://127.0.0.1:9 .*did not answer within 0 s"):
+        TVOPDTrainer(model="does/not/exist", args=args)
+
+
+def test_served_teacher_bad_configurations(tmp_path, model_dirs):
+    from tvopd_trl import TVOPDTrainer
+
+    with pytest.raises(ValueError, match="full next-token distribution"):
+        tiny_config(tmp_path, teacher_model_server_url="http://x", advantage_mode="vopd")
+    args = tiny_config(tmp_path, teacher_model_server_url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="not both"):
+        TVOPDTrainer(model="does/not/exist", teacher_model=model_dirs["teacher"], args=args)
+    # Without vLLM installed (as here), the error comes before any model loads.
+    with pytest.raises(ImportError, match=r"teacher_model_server_url needs vLLM.*tvopd-trl\[vllm\]"):
+        TVOPDTrainer(model="does/not/exist", args=args)
+    with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM"):
+        TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=tiny_config(tmp_path, use_vllm=True))
