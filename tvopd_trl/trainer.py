@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from trl import DistillationTrainer
 from trl.import_utils import is_vllm_available
+from trl.models import prepare_fsdp
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
@@ -188,6 +189,9 @@ class TVOPDTrainer(DistillationTrainer):
             )
 
         self._teacher_client = teacher_client
+        if self.is_fsdp_enabled and not served:
+            # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
+            self.teacher_model = prepare_fsdp(self.teacher_model, self.accelerator)
         student = self.accelerator.unwrap_model(self.model)
         teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
         self._check_teacher(teacher, teacher_processing_class, teacher_source)
