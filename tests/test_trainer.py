@@ -375,6 +375,19 @@ def test_off_policy_sampling_and_dtype_mismatch_warn(make_trainer, model_dirs, t
     assert "top_p=0.9, top_k=20" in messages and "torch.bfloat16" in messages
 
 
+def test_a_rollout_larger_than_the_dataset_is_refused_before_models_load(prompts, tmp_path):
+    args = tiny_config(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=4, steps_per_generation=3)
+    with pytest.raises(ValueError, match=r"One rollout batch takes 96 prompts .* the dataset has 64"):
+        TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=args, train_dataset=prompts)
+
+
+def test_a_vllm_tensor_parallel_size_that_does_not_divide_the_processes_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
+    args = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2 does not divide the 1 training processes"):
+        TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=args)
+
+
 def test_multimodal_processors_are_refused(make_trainer, tmp_path):
     from transformers import ProcessorMixin
 

@@ -155,6 +155,7 @@ class TVOPDTrainer(DistillationTrainer):
                 f"{feature} needs vLLM, which is not installed: `pip install tvopd-trl[vllm]` on the training machines, "
                 "or train without it (transformers generation, in-process teacher)."
             )
+        self._check_batch_layout(args, train_dataset)
         # Connected before any model loads, so that an unreachable server fails at once.
         teacher_client = self._connect_teacher_server(args) if served else None
         if args.use_vllm and tools:
@@ -242,6 +243,30 @@ class TVOPDTrainer(DistillationTrainer):
     # ----------------------------------------------------------------------------------------------------------------
     # Construction checks
     # ----------------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_batch_layout(args, train_dataset):
+        processes = args.world_size
+        if args.use_vllm and args.vllm_mode == "colocate" and processes % args.vllm_tensor_parallel_size:
+            raise ValueError(
+                f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {processes} training "
+                "processes: colocated vLLM runs one engine per group of that many processes. Choose a divisor."
+            )
+        rollout = (
+            args.per_device_train_batch_size * processes * args.gradient_accumulation_steps * args.steps_per_generation
+        )
+        if (
+            train_dataset is not None
+            and not isinstance(train_dataset, IterableDataset)
+            and len(train_dataset) < rollout
+        ):
+            raise ValueError(
+                f"One rollout batch takes {rollout} prompts (per_device_train_batch_size "
+                f"{args.per_device_train_batch_size} x {processes} processes x gradient_accumulation_steps "
+                f"{args.gradient_accumulation_steps} x steps_per_generation {args.steps_per_generation}), but the "
+                f"dataset has {len(train_dataset)}: no batch would ever be drawn. Lower one of those factors or use "
+                "more prompts."
+            )
 
     @staticmethod
     def _connect_teacher_server(args):
