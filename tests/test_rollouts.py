@@ -65,7 +65,10 @@ def test_vllm_rollouts_keep_sampler_logprobs_and_log_the_gap(make_trainer, token
     assert trainer.vllm_generation.syncs == 2  # weights pushed once per optimizer step
     logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
     for entry in logs:
-        assert entry["vllm/logprob_gap"] == pytest.approx(0.25, abs=1e-4)
+        for stat in ("mean", "max"):
+            assert entry[f"sampling/sampling_logp_difference/{stat}"] == pytest.approx(0.25, abs=1e-4)
+        for stat in ("min", "mean", "max"):
+            assert entry[f"sampling/importance_sampling_ratio/{stat}"] == pytest.approx(math.exp(0.25), rel=1e-4)
         assert math.isfinite(entry["loss"])
 
 

@@ -236,6 +236,7 @@ class TVOPDTrainer(DistillationTrainer):
         self._rollout_exact_tv = None
         self._rollout_grad_norm_finite = True
         self._step_stats = None
+        self._step_extremes = None
         self._step_abs_delta = []
         self._step_grad_norm = None
         self._params_before_step = None
@@ -617,10 +618,15 @@ class TVOPDTrainer(DistillationTrainer):
                     (inputs["loss_mask"].bool() & ~active).sum(),
                     per_token_loss.detach().sum(),
                     log_gap.abs().sum() if self.use_vllm else logps.new_zeros(()),
+                    torch.where(active, log_gap.exp(), 0.0).sum() if self.use_vllm else logps.new_zeros(()),
                 ]
             ).float()
+            extremes = self._sampling_extremes(log_gap, active) if self.use_vllm else None
             if mode == "train":
                 self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+                if extremes is not None:
+                    previous = self._step_extremes
+                    self._step_extremes = extremes if previous is None else torch.maximum(previous, extremes)
                 self._step_abs_delta.append(finite_delta[active].abs())
                 if first_pass:
                     u, n = tv_estimate(teacher_logps, old_logps, rollout_active)
@@ -632,7 +638,7 @@ class TVOPDTrainer(DistillationTrainer):
                         previous = self._rollout_exact_tv
                         self._rollout_exact_tv = exact if previous is None else previous + exact
             else:
-                self._log_step_metrics("eval", self.accelerator.reduce(stats, reduction="sum"))
+                self._log_step_metrics("eval", self.accelerator.reduce(stats, reduction="sum"), extremes)
                 u, n = tv_estimate(teacher_logps, old_logps, active)
                 u, n = self.accelerator.reduce(torch.stack([u.float(), n.float()]), reduction="sum").tolist()
                 self._metrics["eval"]["tv/estimate"].append(u / n if n > 0 else float("nan"))
@@ -690,12 +696,13 @@ class TVOPDTrainer(DistillationTrainer):
         metrics["tv/scale"].append(self._rollout_scale)
 
         if self._step_stats is not None:
-            self._log_step_metrics("train", self.accelerator.reduce(self._step_stats, reduction="sum"))
+            stats = self.accelerator.reduce(self._step_stats, reduction="sum")
+            self._log_step_metrics("train", stats, self._step_extremes)
         abs_delta = torch.cat(self._step_abs_delta) if self._step_abs_delta else torch.zeros(0, device=device)
         abs_delta = self.accelerator.gather(self.accelerator.pad_across_processes(abs_delta, pad_index=-1))
         for name, value in advantage_dispersion(abs_delta[abs_delta >= 0]).items():
             metrics[f"advantage/{name}"].append(value)
-        self._step_stats, self._step_abs_delta = None, []
+        self._step_stats, self._step_extremes, self._step_abs_delta = None, None, []
 
         if self._step % self._micro_steps_per_rollout == 0:
             self._finish_rollout()
@@ -715,8 +722,17 @@ class TVOPDTrainer(DistillationTrainer):
             metrics["tv/exact"].append(exact_sum / count if count > 0 else float("nan"))
         self._rollout_tv, self._rollout_exact_tv, self._rollout_grad_norm_finite = None, None, True
 
-    def _log_step_metrics(self, mode, stats):
-        (count, low, high, neg_delta, positive, nonfinite, loss_sum, log_gap) = stats.tolist()
+    @staticmethod
+    def _sampling_extremes(log_gap, active):
+        """(max |log pi_old - log pi_vllm|, -min ratio, max ratio) over active tokens: all maxima, so that
+        micro-batches and processes combine with one `max`."""
+        if not active.any():
+            return log_gap.new_full((3,), -math.inf)
+        gap, ratio = log_gap[active], log_gap[active].exp()
+        return torch.stack([gap.abs().max(), -ratio.min(), ratio.max()]).float()
+
+    def _log_step_metrics(self, mode, stats, extremes=None):
+        (count, low, high, neg_delta, positive, nonfinite, loss_sum, log_gap, is_ratio) = stats.tolist()
         metrics = self._metrics[mode]
         ratio = (lambda value: value / count) if count > 0 else (lambda value: float("nan"))
         metrics["clip_ratio/low"].append(ratio(low))
@@ -726,4 +742,12 @@ class TVOPDTrainer(DistillationTrainer):
         metrics["tv/nonfinite_tokens"].append(nonfinite)
         metrics["policy_loss"].append(ratio(loss_sum))
         if self.use_vllm:
-            metrics["vllm/logprob_gap"].append(ratio(log_gap))
+            # TRL GRPO's names for the sampler / trainer mismatch; the ratio is pi_old / pi_vllm, before its cap.
+            metrics["sampling/sampling_logp_difference/mean"].append(ratio(log_gap))
+            metrics["sampling/importance_sampling_ratio/mean"].append(ratio(is_ratio))
+            if extremes is not None:
+                max_gap, neg_min_ratio, max_ratio = self.accelerator.gather(extremes[None]).max(dim=0).values.tolist()
+                finite = count > 0
+                metrics["sampling/sampling_logp_difference/max"].append(max_gap if finite else float("nan"))
+                metrics["sampling/importance_sampling_ratio/min"].append(-neg_min_ratio if finite else float("nan"))
+                metrics["sampling/importance_sampling_ratio/max"].append(max_ratio if finite else float("nan"))
