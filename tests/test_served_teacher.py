@@ -118,7 +118,7 @@ def test_training_with_a_served_teacher(make_trainer, teacher_server, tmp_path, 
     assert len(_VLLMStandIn.requests) == 3  # one prefill request per rollout batch
 
 
-def test_an_unreachable_teacher_server_fails_before_any_model_loads(monkeypatch, tmp_path):
+def test_an_unreachable_server_fails_before_any_model_loads(monkeypatch, tmp_path):
     import trl.generation.vllm_client
 
     from tvopd_trl import TVOPDTrainer
@@ -127,8 +127,16 @@ def test_an_unreachable_teacher_server_fails_before_any_model_loads(monkeypatch,
     monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
     args = tiny_config(tmp_path, teacher_model_server_url="http://127.0.0.1:9", teacher_model_server_timeout=0)
     # A student path that does not exist: loading it would raise an OSError, not the connection error.
-    with pytest.raises(ConnectionError, match=r"teacher server at http://127.0.0.1:9 .*did not answer within 0 s"):
+    with pytest.raises(
+        ConnectionError, match=r"The teacher server .* at http://127.0.0.1:9 did not answer within 0 s"
+    ):
         TVOPDTrainer(model="does/not/exist", args=args)
+    # The same for the rollout server of `vllm_mode="server"`.
+    args = tiny_config(
+        tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url="http://127.0.0.1:9", vllm_server_timeout=0
+    )
+    with pytest.raises(ConnectionError, match=r"The rollout server \(vllm_server_base_url\) at http://127.0.0.1:9"):
+        TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=args)
 
 
 def test_served_teacher_bad_configurations(tmp_path, model_dirs):

@@ -156,8 +156,17 @@ class TVOPDTrainer(DistillationTrainer):
                 "or train without it (transformers generation, in-process teacher)."
             )
         self._check_batch_layout(args, train_dataset)
-        # Connected before any model loads, so that an unreachable server fails at once.
-        teacher_client = self._connect_teacher_server(args) if served else None
+        # Servers are checked before any model loads, so that an unreachable one fails at once.
+        if args.use_vllm and args.vllm_mode == "server":
+            url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            self._connect_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
+        teacher_client = None
+        if served:
+            teacher_client = self._connect_server(
+                args.teacher_model_server_url,
+                args.teacher_model_server_timeout,
+                "the teacher server (teacher_model_server_url)",
+            )
         if args.use_vllm and tools:
             raise ValueError(
                 "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "
@@ -270,17 +279,15 @@ class TVOPDTrainer(DistillationTrainer):
             )
 
     @staticmethod
-    def _connect_teacher_server(args):
+    def _connect_server(url, timeout, what):
         from trl.generation.vllm_client import VLLMClient
 
-        url, timeout = args.teacher_model_server_url, args.teacher_model_server_timeout
         try:
             return VLLMClient(base_url=url, connection_timeout=timeout)
         except OSError as error:  # requests' connection errors, raised by the client's health check
             raise ConnectionError(
-                f"The teacher server at {url} (teacher_model_server_url) did not answer within {timeout} s. Start it "
-                "first, e.g. `trl vllm-serve --model <teacher>`, or fix the URL; `teacher_model_server_timeout` sets "
-                "how long to wait."
+                f"{what[0].upper()}{what[1:]} at {url} did not answer within {timeout} s. Start it first (e.g. `trl "
+                "vllm-serve --model <model>`) or fix the URL; the matching `..._timeout` setting sets how long to wait."
             ) from error
 
     def _check_teacher(self, teacher, teacher_processing_class, teacher_source):
