@@ -76,6 +76,10 @@ def evaluate(
         start = time.perf_counter()
         problems = load_problems(benchmark, data_dir, limit)
         responses = generator([benchmark.prompt(problem, prompt_template) for problem in problems], settings)
+        if len(responses) != len(problems) or any(len(samples) != settings.k for samples in responses):
+            raise RuntimeError(
+                f"The generator must return {settings.k} responses for each of {len(problems)} prompts."
+            )
         flat = [response for samples in responses for response in samples]
         golds = [problem.answer for problem in problems for _ in range(settings.k)]
         answers, statuses = grade_responses(flat, golds, workers=workers, timeout_seconds=timeout_seconds)
@@ -98,9 +102,9 @@ def evaluate(
                     if save_responses:
                         record["response"] = flat[index]
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    if output_dir is not None:
-        with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
-            json.dump(results, f, indent=2)
+            # After each benchmark: a long evaluation that stops keeps what it finished.
+            with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+                json.dump(results, f, indent=2)
     return results
 
 
