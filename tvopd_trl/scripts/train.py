@@ -47,10 +47,16 @@ class MainJobArguments:
             Student model id or path. Defaults to the embedded tiny student. The teacher is the config's
             `teacher_model_name_or_path`, defaulting to the embedded tiny teacher.
         dataset_name (`str`, *optional*):
-            Hub dataset id or local JSON/JSONL file with a conversational `prompt` column. Defaults to the embedded
+            Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
             task's OPD prompt split.
+        dataset_config (`str`, *optional*):
+            Configuration of `dataset_name` on the Hub (e.g. `all` for `open-r1/DAPO-Math-17k-Processed`).
         dataset_train_split (`str`, *optional*, defaults to `"train"`):
             Split of `dataset_name` to train on.
+        dataset_prompt_column (`str`, *optional*):
+            Column of `dataset_name` that holds the prompt: chat messages are used as they are, a problem text becomes
+            one user turn followed by the evaluation's `\\boxed{}` instruction (`tvopd_trl.prompts`). Defaults to the
+            first of `prompt`, `question` and `problem` that exists. Every other column is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
             the embedded task's held-out split, `tiny`) or a JSONL file with `id`, `problem` and `answer` fields.
@@ -79,7 +85,12 @@ class MainJobArguments:
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
     dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration of `dataset_name`."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
+    dataset_prompt_column: str | None = field(
+        default=None,
+        metadata={"help": "Prompt column (chat messages, or a problem text); default: prompt, question or problem."},
+    )
     eval_benchmark: str = field(
         default="tiny", metadata={"help": "Benchmark name or JSONL file (id, problem, answer)."}
     )
@@ -94,12 +105,12 @@ class MainJobArguments:
     eval_batch_size: int = field(default=512, metadata={"help": "Sequences generated at once by the evaluation."})
 
 
-def _load_dataset(name, split):
+def _load_dataset(name, config, split):
     from datasets import load_dataset
 
     if os.path.isfile(name):
         return load_dataset("json", data_files=name, split="train")
-    return load_dataset(name, split=split)
+    return load_dataset(name, config, split=split)
 
 
 class Accuracy:
@@ -139,6 +150,7 @@ def main(job_args, training_args):
     from .. import tiny
     from ..eval import BenchmarkEvalCallback, mean_at_k, step_dir
     from ..plots import plot_run
+    from ..prompts import to_prompt_dataset
     from ..trainer import TVOPDTrainer
 
     start = time.perf_counter()
@@ -151,7 +163,8 @@ def main(job_args, training_args):
     if job_args.dataset_name is None:
         train_dataset = tiny.prompt_dataset("opd")
     else:
-        train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_train_split)
+        train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
+        train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
 
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
