@@ -72,7 +72,7 @@ def test_console_command_launches_through_accelerate(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--model_name_or_path", "some/student"], "Name both `model_name_or_path` and `teacher_model_name_or_path`"),
+        (["--model_name_or_path", "some/student"], "Name both `model_name_or_path` and the teacher"),
         (["--dataset_name", "prompts.jsonl"], "set `eval_benchmark`"),
         (["--eval_benchmark", "aime2024"], "Unknown benchmark .aime2024."),
     ],

@@ -152,3 +152,20 @@ def test_served_teacher_bad_configurations(tmp_path, model_dirs):
         TVOPDTrainer(model="does/not/exist", args=args)
     with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM"):
         TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=tiny_config(tmp_path, use_vllm=True))
+
+
+def test_main_job_with_a_served_teacher(teacher_server, tmp_path):
+    import json
+    from pathlib import Path
+
+    from tvopd_trl import tiny
+    from tvopd_trl.scripts.train import run
+
+    _VLLMStandIn.teacher = AutoModelForCausalLM.from_pretrained(tiny.teacher_path()).eval()
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "tvopd.yaml"
+    short = ["--max_steps", "3", "--eval_problems", "8", "--eval_k", "2", "--eval_every_steps", "3"]
+    run(["--config", str(recipe), "--output_dir", str(tmp_path), "--teacher_model_server_url", teacher_server, *short])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["teacher"] == teacher_server and summary["steps"] == 3
+    assert "teacher_accuracy" not in summary and summary["gap_closed"] is None  # no local teacher to evaluate
+    assert len(_VLLMStandIn.requests) == 3

@@ -45,7 +45,8 @@ class MainJobArguments:
 
         model_name_or_path (`str`, *optional*):
             Student model id or path. Defaults to the embedded tiny student. The teacher is the config's
-            `teacher_model_name_or_path`, defaulting to the embedded tiny teacher.
+            `teacher_model_name_or_path`, defaulting to the embedded tiny teacher, or the server at the config's
+            `teacher_model_server_url` (then `teacher_model_name_or_path`, if set, only names its tokenizer).
         dataset_name (`str`, *optional*):
             Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
             task's OPD prompt split.
@@ -156,8 +157,10 @@ def main(job_args, training_args):
     start = time.perf_counter()
     state = PartialState()
     _check_job_arguments(job_args, training_args, state)
+    served = training_args.teacher_model_server_url is not None
     student_path = job_args.model_name_or_path or tiny.student_path()
-    teacher_path = training_args.teacher_model_name_or_path or tiny.teacher_path()
+    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
+    teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
     tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
 
     if job_args.dataset_name is None:
@@ -170,11 +173,11 @@ def main(job_args, training_args):
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
     trainer = TVOPDTrainer(
         model=student_path,
-        teacher_model=teacher_path,
+        teacher_model=None if served else teacher_path,
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
-        teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path),
+        teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path) if teacher_path else None,
     )
     curve = None
     if accuracy is not None and job_args.eval_every_steps > 0:
@@ -191,12 +194,13 @@ def main(job_args, training_args):
     results = {}
     if accuracy is not None and state.is_main_process:
         student = trainer.accelerator.unwrap_model(trainer.model)
-        teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
-        teacher_dir = os.path.join(training_args.output_dir, "eval", "teacher")
-        results["teacher_accuracy"], results["teacher_accuracy_greedy"] = (
-            accuracy(teacher, False, teacher_dir),
-            accuracy(teacher, True),
-        )
+        if not served:  # a served teacher is not in this process to evaluate
+            teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+            teacher_dir = os.path.join(training_args.output_dir, "eval", "teacher")
+            results["teacher_accuracy"], results["teacher_accuracy_greedy"] = (
+                accuracy(teacher, False, teacher_dir),
+                accuracy(teacher, True),
+            )
         results["student_accuracy_before"] = accuracy(
             student, output_dir=step_dir(training_args.output_dir, 0, job_args.eval_k)
         )
@@ -237,7 +241,7 @@ def main(job_args, training_args):
             "final_tv_estimate": last.get("tv/estimate"),
             "accuracy_curve": history,
             "student": student_path,
-            "teacher": teacher_path,
+            "teacher": training_args.teacher_model_server_url if served else teacher_path,
             "plots": [os.path.basename(path) for path in plots],
             "job_args": asdict(job_args),
         }
@@ -251,11 +255,16 @@ def main(job_args, training_args):
 
 
 def _check_job_arguments(job_args, training_args, state):
-    custom_pair = (job_args.model_name_or_path is None) != (training_args.teacher_model_name_or_path is None)
-    if custom_pair:
+    # A teacher server may serve the embedded teacher, so it can go with the embedded student.
+    student_named = job_args.model_name_or_path is not None
+    teacher_named = training_args.teacher_model_name_or_path is not None
+    if (student_named and not (teacher_named or training_args.teacher_model_server_url)) or (
+        teacher_named and not student_named
+    ):
         raise ValueError(
-            "Name both `model_name_or_path` and `teacher_model_name_or_path`, or neither (the embedded tiny pair): "
-            "a student and a teacher must share one tokenizer."
+            "Name both `model_name_or_path` and the teacher (`teacher_model_name_or_path` or "
+            "`teacher_model_server_url`), or neither (the embedded tiny pair): a student and a teacher must share one "
+            "tokenizer."
         )
     custom = job_args.model_name_or_path is not None or job_args.dataset_name is not None
     if custom and job_args.eval_problems > 0 and job_args.eval_benchmark == "tiny":
