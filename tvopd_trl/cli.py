@@ -37,6 +37,38 @@ def _subtract_subsequence(items, subsequence):
     return kept
 
 
+def _accelerate_launch_args(config_remaining, cli_remaining):
+    """`accelerate launch` flags: the recipe's and the command line's keys that the script does not know, with
+    `--accelerate_config NAME_OR_PATH` turned into `--config_file PATH`. Fails on a config that does not exist."""
+    import importlib.resources as resources
+    from pathlib import Path
+
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    if "--accelerate_config" in config_remaining and "--accelerate_config" in cli_remaining:
+        # The command line wins over the recipe, as for every other key (TRL would resolve the recipe's value and
+        # leave the flag to `accelerate launch`, which rejects it).
+        index = config_remaining.index("--accelerate_config")
+        config_remaining = config_remaining[:index] + config_remaining[index + 2 :]
+    flags = config_remaining + cli_remaining
+    if "--accelerate_config" in flags[:-1]:
+        index = flags.index("--accelerate_config")
+        value = flags[index + 1]
+        shipped = resources.files("trl.accelerate_configs")
+        if not Path(value).is_file() and not shipped.joinpath(f"{value}.yaml").is_file():
+            # TRL's own message names neither the recipe nor the names it accepts.
+            names = sorted(
+                entry.name.removesuffix(".yaml") for entry in shipped.iterdir() if entry.name.endswith(".yaml")
+            )
+            source = "the recipe's `accelerate_config`" if index < len(config_remaining) else "--accelerate_config"
+            raise ValueError(
+                f"{source} {value!r} is neither a file nor one of TRL's accelerate configs ({', '.join(names)}). "
+                "Name one of those, or give the path of a YAML file, such as recipes/accelerate_configs/zero3.yaml "
+                "(a relative path starts from the current directory)."
+            )
+    return resolve_accelerate_config_argument(flags)
+
+
 COMMANDS = {
     "train": "run the TV-OPD main job",
     "eval": "evaluate a model or a run's checkpoints on benchmarks",
@@ -47,7 +79,6 @@ COMMANDS = {
 
 def main(argv=None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     from .scripts.train import make_parser
 
@@ -67,11 +98,16 @@ def main(argv=None) -> int:
             print(f"tvopd-trl {command}: error: {error}", file=sys.stderr)
             return 2
         return 0
-    # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`.
-    *_, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
-        script_argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
-    launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both fail
+    # here, on bad input, before any process starts or any model loads.
+    try:
+        *_, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
+            script_argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+        launch_args = _accelerate_launch_args(config_remaining, cli_remaining)
+    except ValueError as error:
+        print(f"tvopd-trl train: error: {error}", file=sys.stderr)
+        return 2
     script_args = _subtract_subsequence(script_argv, cli_remaining)
     launch_command(launch_command_parser().parse_args([*launch_args, "-m", "tvopd_trl.scripts.train", *script_args]))
     return 0
