@@ -12,6 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -193,6 +194,13 @@ class TVOPDConfig(DistillationConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.world_size == 1:
+            raise ValueError(
+                f"This process is one of {launched} that were launched (WORLD_SIZE={launched}), but no process group "
+                "joins them: each would train its own unsynchronised copy. Without a GPU, set `use_cpu=True` (DDP) "
+                "or `ddp_backend='gloo'` (DeepSpeed)."
+            )
         if self.advantage_mode not in ADVANTAGE_MODES:
             raise ValueError(
                 f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}."

@@ -39,6 +39,7 @@ from .callbacks import TVScheduleCallback
 from .config import TVOPDConfig
 from .divergences import exact_reverse_kl_and_tv
 from .metrics import advantage_dispersion
+from .model_card import card_section, insert_section
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -199,6 +200,7 @@ class TVOPDTrainer(DistillationTrainer):
             )
 
         self._teacher_client = teacher_client
+        self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         if self.is_fsdp_enabled and not served:
             # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
             self.teacher_model = prepare_fsdp(self.teacher_model, self.accelerator)
@@ -249,6 +251,24 @@ class TVOPDTrainer(DistillationTrainer):
         self._step_abs_delta = []
         self._step_grad_norm = None
         self._params_before_step = None
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card, with a section on the TV-OPD run: mode and hyperparameters, teacher, dataset, and the
+        last `tv/scale`, `tv/estimate` and evaluation scores. `dataset_name` defaults to `self.dataset_name`."""
+        dataset_name = dataset_name or self.dataset_name
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        if self.args.teacher_model_server_url is not None:
+            teacher = self.args.teacher_model_server_url
+        else:
+            teacher = self.accelerator.unwrap_model(self.teacher_model).config._name_or_path
+        path = os.path.join(self.args.output_dir, "README.md")
+        with open(path, encoding="utf-8") as f:
+            card = f.read()
+        section = card_section(self.args, self.state.log_history, teacher=teacher, dataset=dataset_name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(insert_section(card, section))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction checks

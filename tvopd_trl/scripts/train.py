@@ -179,6 +179,7 @@ def main(job_args, training_args):
         processing_class=tokenizer,
         teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path) if teacher_path else None,
     )
+    trainer.dataset_name = job_args.dataset_name  # for the model card
     curve = None
     if accuracy is not None and job_args.eval_every_steps > 0:
         curve = BenchmarkEvalCallback(
@@ -340,3 +341,8 @@ def run(args=None):
 
 if __name__ == "__main__":
     run()
+    # Gloo aborts in its destructors at exit in some multi-process CPU runs ("terminate called without an active
+    # exception", exit code 1 after a finished job) unless the process group is gone first.
+    from accelerate import PartialState
+
+    PartialState().destroy_process_group()

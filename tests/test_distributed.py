@@ -1,0 +1,385 @@
+"""Real multi-process runs on CPU: 2-process DDP and 2-process DeepSpeed ZeRO-3 (with and without LoRA), each started
+with `accelerate launch --config_file recipes/accelerate_configs/<config>` on a script of tests/distributed_scripts.
+
+Each launch runs once per module and several tests read its per-rank results. Every launched script asserts its world
+size and distributed type itself (`common.check_launch`), so a launch that silently fell back to independent single
+processes fails. The first ZeRO-3 launch on a machine compiles DeepSpeed's shared-memory op into torch's extension
+cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions): a minute or two on 2 cores, once.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tvopd_trl import TVOPDTrainer, tiny
+
+from .conftest import tiny_config
+
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "distributed_scripts"
+ACCELERATE_CONFIGS = REPO / "recipes" / "accelerate_configs"
+NUM_PROCESSES = 2
+# What gloo sometimes prints when it aborts in its destructors after a script has finished (see `common.finish`).
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+# Logged values reduced over processes: every rank must log the same ones.
+POOLED = ("loss", "tv/estimate", "tv/scale", "tv/ema", "tv/reference", "kl/reverse_estimate", "update/norm")
+# Set per rank by the launcher: inherited from the test process, they would confuse it.
+_DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_env():
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in _DISTRIBUTED_ENV and not key.startswith("ACCELERATE_")
+    }
+    # One thread per process: the two ranks share the CPU cores. DeepSpeed finds no GPU and needs to be told to use
+    # its CPU accelerator (gloo, no oneCCL); DDP ignores it.
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    return env
+
+
+def launch(config, script, output_dir, timeout=300):
+    """Runs a script of tests/distributed_scripts with `accelerate launch` on one of our accelerate configs, and returns
+    each rank's `rank-<i>.json` (with the tensors of `rank-<i>.pt`, when the script saved any, under "tensors")."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / config)]
+    command += ["--main_process_port", str(_free_port()), str(SCRIPTS / script), str(output_dir)]
+    # A session of its own, so that a timeout can end the launcher and the ranks it started together.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_launch_env(),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{script} did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-6000:]}")
+
+    log = f"{script}: exit code {process.returncode}\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    done = [(output_dir / f"rank-{rank}.done").exists() for rank in range(NUM_PROCESSES)]
+    assert all(done), f"ranks done: {done}\n{log}"
+    # Every rank finished its work; a non-zero exit code is then only acceptable as gloo's known exit abort.
+    assert process.returncode == 0 or GLOO_EXIT_ABORT in stderr, log
+    results = []
+    for rank in range(NUM_PROCESSES):
+        result = json.loads((output_dir / f"rank-{rank}.json").read_text())
+        assert result["rank"] == rank
+        tensors = output_dir / f"rank-{rank}.pt"
+        if tensors.exists():
+            result["tensors"] = torch.load(tensors)
+        results.append(result)
+    return results
+
+
+def _flat_parameters(model):
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2-process DDP
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return launch("ddp_cpu.yaml", "ddp_tv_pooling.py", tmp_path_factory.mktemp("ddp"))
+
+
+class ReplayTrainer(TVOPDTrainer):
+    """Samples nothing: each prompt gets the completion that a rank of the distributed run sampled for it at that
+    step. Everything downstream (teacher and student scoring, the estimate, the scheduler) runs for real."""
+
+    def __init__(self, *args, rollouts, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.completions = {
+            (rollout["step"], tuple(prompt)): completion
+            for rollout in rollouts
+            for prompt, completion in zip(rollout["prompt_ids"], rollout["completion_ids"], strict=True)
+        }
+        self.replayed = 0
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        self.replayed += len(prompt_ids)
+        return [self.completions[(self.state.global_step, tuple(ids))] for ids in prompt_ids]
+
+
+def test_ddp_ranks_train_on_different_prompts(ddp_run):
+    steps = ddp_run[0]["config"]["max_steps"]
+    rollouts = [run["rollouts"] for run in ddp_run]
+    assert [len(r) for r in rollouts] == [steps, steps]
+    # Otherwise the agreement checked below would prove nothing: each rank samples its own half of the global batch.
+    for first, second in zip(*rollouts, strict=True):
+        assert first["step"] == second["step"]
+        assert not {tuple(p) for p in first["prompt_ids"]} & {tuple(p) for p in second["prompt_ids"]}
+
+
+def test_ddp_ranks_log_the_same_pooled_tv_estimate_and_scale_at_every_step(ddp_run):
+    first, second = (run["logs"] for run in ddp_run)
+    assert len(first) == len(second) == ddp_run[0]["config"]["max_steps"]
+    for a, b in zip(first, second, strict=True):
+        for name in POOLED:
+            assert a[name] == b[name], (a["step"], name, a[name], b[name])
+        assert 0 < a["tv/estimate"] < 1
+    assert ddp_run[0]["scheduler"] == ddp_run[1]["scheduler"]
+    # Each step's c_k comes from the estimates before it; some fall below the first, so the scale moves.
+    assert any(entry["tv/scale"] < 1 for entry in first), [entry["tv/scale"] for entry in first]
+
+
+def test_ddp_pooled_tv_estimate_equals_a_single_process_over_the_global_batch(ddp_run, tmp_path):
+    config = ddp_run[0]["config"]
+    # One process holds both ranks' micro-batches; the ranks' rollouts are replayed for the prompts they sampled.
+    args = tiny_config(
+        tmp_path, **{**config, "per_device_train_batch_size": NUM_PROCESSES * config["per_device_train_batch_size"]}
+    )
+    trainer = ReplayTrainer(
+        model=tiny.student_path(),
+        teacher_model=tiny.teacher_path(),
+        args=args,
+        train_dataset=tiny.prompt_dataset("opd", 64),
+        processing_class=AutoTokenizer.from_pretrained(tiny.student_path(), padding_side="left"),
+        rollouts=[rollout for run in ddp_run for rollout in run["rollouts"]],
+    )
+    trainer.train()
+    assert trainer.accelerator.num_processes == 1
+    assert trainer.replayed == len(trainer.completions)  # every recorded completion, each once
+
+    single = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    distributed = ddp_run[0]["logs"]
+    assert len(single) == len(distributed) == config["max_steps"]
+    for one, two in zip(single, distributed, strict=True):
+        assert one["tv/estimate"] == pytest.approx(two["tv/estimate"], rel=1e-6), one["step"]
+        assert one["tv/scale"] == pytest.approx(two["tv/scale"], rel=1e-6), one["step"]
+        # The loss divides each rank's token sum by its share of the global token count: the same token mean.
+        assert one["loss"] == pytest.approx(two["loss"], rel=1e-5), one["step"]
+
+
+def test_ddp_gradients_are_synchronised(ddp_run):
+    first, second = (run["tensors"] for run in ddp_run)
+    steps = ddp_run[0]["config"]["max_steps"]
+    assert first["gradients"].shape[0] == steps
+    # The all-reduced gradient, bit for bit, although the ranks' data differ; and it is a real gradient.
+    assert torch.equal(first["gradients"], second["gradients"])
+    assert all(gradient.norm() > 0 for gradient in first["gradients"])
+    assert torch.equal(first["parameters"], second["parameters"])
+    shipped = _flat_parameters(AutoModelForCausalLM.from_pretrained(tiny.student_path()))
+    assert not torch.equal(first["parameters"], shipped)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2-process DeepSpeed ZeRO-3: sharding, the TV scheduler across ranks, the 16-bit checkpoint and resuming from it
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("zero3")
+    return output_dir, launch("zero3_cpu.yaml", "zero3_checkpoint_resume.py", output_dir)
+
+
+@pytest.mark.parametrize("model", ["student", "teacher"])
+def test_zero3_shards_the_student_and_the_teacher_over_both_processes(zero3_run, model):
+    _, results = zero3_run
+    for result in results:
+        partition = result[model]
+        assert partition["zero3_params"] == partition["params"] > 0, partition
+        # Each rank holds its half of every parameter (DeepSpeed pads a partition to a multiple of the world size).
+        full, local = partition["full_numel"], partition["local_numel"]
+        assert full / NUM_PROCESSES <= local <= full / NUM_PROCESSES + partition["params"], partition
+        # Outside a forward, all but the norms and biases are released: the rank holds only its shard of them.
+        assert partition["released_numel"] > 0.9 * full, partition
+    assert results[0][model] == results[1][model]
+
+
+def test_zero3_trains_with_one_tv_scheduler_state_on_both_ranks(zero3_run):
+    _, results = zero3_run
+    first, second = (result["logs"] for result in results)
+    assert [entry["step"] for entry in first] == [1, 2, 3]
+    for a, b in zip(first, second, strict=True):
+        assert math.isfinite(a["loss"]) and a["update/skipped"] == 0.0 and a["update/norm"] > 0, a
+        for name in POOLED:
+            assert a[name] == b[name], (a["step"], name)
+    assert results[0]["scheduler"] == results[1]["scheduler"]
+    assert results[0]["scheduler"]["num_updates"] == 3
+
+
+def test_zero3_checkpoint_holds_a_full_model_that_reloads_with_from_pretrained(zero3_run):
+    output_dir, results = zero3_run
+    checkpoint = output_dir / "checkpoint-2"
+    # `zero3_save_16bit_model` gathers the shards into one state dict; without it only DeepSpeed's shards are saved.
+    reloaded, info = AutoModelForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert sum(p.numel() for p in reloaded.parameters()) == results[0]["student"]["full_numel"]
+    weights = _flat_parameters(reloaded)
+    assert torch.isfinite(weights).all()
+    shipped = _flat_parameters(AutoModelForCausalLM.from_pretrained(tiny.student_path()))
+    # Trained: most weights moved away from the shipped student's (the gathered shards, not the initial copy).
+    assert (weights != shipped).float().mean() > 0.5
+
+
+def test_zero3_resume_restores_the_tv_scheduler_from_the_checkpoint(zero3_run):
+    output_dir, results = zero3_run
+    state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
+    saved = state["stateful_callbacks"]["TVScheduleCallback"]["args"]["scheduler_state"]
+    assert saved["num_updates"] == 2 and saved["reference"] is not None
+    uninterrupted = results[0]["logs"]
+    for result in results:
+        resumed = result["resumed"]
+        assert resumed["scheduler_at_train_begin"] == saved
+        # The resumed step 3 is the uninterrupted run's step 3: the same rollout, scale and EMA update.
+        (resumed_step,) = [entry for entry in resumed["logs"] if entry["step"] == 3]
+        (uninterrupted_step,) = [entry for entry in uninterrupted if entry["step"] == 3]
+        for name in ("tv/estimate", "tv/scale", "tv/ema", "tv/reference"):
+            assert resumed_step[name] == pytest.approx(uninterrupted_step[name], rel=1e-6), name
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2-process DeepSpeed ZeRO-3 with a LoRA student
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero3_lora_run(tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("zero3_lora")
+    return output_dir, launch("zero3_cpu.yaml", "zero3_lora.py", output_dir)
+
+
+def test_zero3_lora_trains_and_saves_an_adapter_that_peft_reloads(zero3_lora_run):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    output_dir, results = zero3_lora_run
+    for result in results:
+        assert result["student_class"] == "PeftModel"
+        assert result["trainable"] and all("lora_" in name for name in result["trainable"])
+        assert result["trainable_zero3"]  # the adapter is sharded too
+        for entry in result["logs"]:
+            assert math.isfinite(entry["loss"]) and entry["update/norm"] > 0, entry
+    for a, b in zip(results[0]["logs"], results[1]["logs"], strict=True):
+        assert [a[name] for name in POOLED] == [b[name] for name in POOLED], a["step"]
+
+    adapter = output_dir / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    assert not (adapter / "model.safetensors").exists()  # the adapter only, not a full model
+    saved = load_file(adapter / "adapter_model.safetensors")
+    lora_b = {name: weight for name, weight in saved.items() if "lora_B" in name}
+    # 2 layers x (q_proj, v_proj), gathered whole; lora_B starts at zero, so a non-zero one was trained.
+    assert len(lora_b) == 4 and all(weight.shape == (64, 4) and weight.abs().max() > 0 for weight in lora_b.values())
+
+    base = AutoModelForCausalLM.from_pretrained(tiny.student_path())
+    model = PeftModel.from_pretrained(base, adapter)
+    loaded = {name: p for name, p in model.named_parameters() if "lora_B" in name}
+    assert len(loaded) == 4 and all(p.abs().max() > 0 for p in loaded.values())
+    probe = AutoTokenizer.from_pretrained(tiny.student_path())("Compute 47 + 86.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        adapted = model(probe).logits
+        with model.disable_adapter():
+            plain = model(probe).logits
+    assert not torch.allclose(adapted, plain)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The accelerate configs, and `tvopd-trl train --accelerate_config`
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, distributed_type, num_processes, zero_stage",
+    [
+        ("zero3", "DEEPSPEED", 8, 3),
+        ("zero2", "DEEPSPEED", 8, 2),
+        ("fsdp2", "FSDP", 8, None),
+        ("multi_gpu", "MULTI_GPU", 8, None),
+        ("single_gpu", "NO", 1, None),
+        ("zero3_cpu", "DEEPSPEED", 2, 3),
+        ("ddp_cpu", "MULTI_GPU", 2, None),  # MULTI_GPU selects the multi-process launcher (see its header)
+    ],
+)
+def test_accelerate_configs_load_and_say_how_to_launch_them(name, distributed_type, num_processes, zero_stage):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = ACCELERATE_CONFIGS / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.distributed_type == distributed_type and config.num_processes == num_processes
+    assert not config.use_cpu  # it would not reach the processes (see ddp_cpu.yaml)
+    if zero_stage is not None:
+        assert config.deepspeed_config["zero_stage"] == zero_stage
+        assert config.deepspeed_config.get("zero3_save_16bit_model", False) == (zero_stage == 3)
+    header = path.read_text().split("\ncompute_environment:")[0]
+    assert f"--config_file recipes/accelerate_configs/{name}.yaml" in header
+
+
+def _train_cli(argv, monkeypatch, capsys):
+    import accelerate.commands.launch
+
+    from tvopd_trl import cli
+
+    def no_launch(args):
+        raise AssertionError(f"launched with {args}")
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", no_launch)
+    code = cli.main(["train", *argv])
+    return code, capsys.readouterr().err
+
+
+RECIPE = REPO / "recipes" / "tiny" / "tvopd.yaml"
+
+
+def test_train_refuses_an_accelerate_config_that_does_not_exist_before_launching(monkeypatch, capsys, tmp_path):
+    code, err = _train_cli(
+        ["--config", str(RECIPE), "--accelerate_config", "nope", "--output_dir", str(tmp_path)], monkeypatch, capsys
+    )
+    assert code == 2
+    assert "tvopd-trl train: error: --accelerate_config 'nope' is neither a file nor one of TRL's" in err
+    assert "zero3" in err and "recipes/accelerate_configs/zero3.yaml" in err
+
+
+def test_train_refuses_a_recipe_naming_an_accelerate_config_that_does_not_exist(monkeypatch, capsys, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.read_text() + "accelerate_config: nope\n")
+    code, err = _train_cli(["--config", str(recipe), "--output_dir", str(tmp_path)], monkeypatch, capsys)
+    assert code == 2
+    assert "tvopd-trl train: error: the recipe's `accelerate_config` 'nope' is neither a file nor" in err
+
+
+def test_train_accelerate_config_flag_overrides_the_recipes(monkeypatch, tmp_path):
+    import accelerate.commands.launch
+
+    from tvopd_trl import cli
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.read_text() + "accelerate_config: nope\n")
+    config = ACCELERATE_CONFIGS / "ddp_cpu.yaml"
+    argv = ["train", "--config", str(recipe), "--accelerate_config", str(config), "--output_dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    (args,) = launched
+    assert args.config_file == str(config) and "--accelerate_config" not in args.training_script_args

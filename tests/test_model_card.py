@@ -1,0 +1,37 @@
+"""The model card (TRL's mechanism plus a TV-OPD section)."""
+
+from tvopd_trl.eval import BenchmarkEvalCallback, SamplingSettings
+from tvopd_trl.model_card import card_section, insert_section
+
+from .conftest import tiny_config
+
+
+def test_the_card_says_how_the_model_was_trained(make_trainer, model_dirs, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=2, tv_alpha=0.25))
+    trainer.add_callback(
+        BenchmarkEvalCallback(trainer, ["tiny"], eval_every_steps=2, settings=SamplingSettings(k=1), limit=4)
+    )
+    trainer.dataset_name = "open-r1/DAPO-Math-17k-Processed"
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-tvopd")
+    card = (tmp_path / "README.md").read_text()
+    section = card[card.index("## TV-OPD training") : card.index("### Framework versions")]
+    assert "`advantage_mode='tv'` (TV-OPD)" in section
+    assert "`tv_alpha=0.25`" in section and "`tv_min_scale=0.1`" in section and "`learning_rate=0.01`" in section
+    assert f"Teacher: `{model_dirs['teacher']}`" in section
+    assert "Prompts: `open-r1/DAPO-Math-17k-Processed`" in section and "Optimizer steps: 2" in section
+    last = next(e for e in reversed(trainer.state.log_history) if "tv/scale" in e)
+    assert f"| `tv/scale` | {last['tv/scale']:.4g} | 2 |" in section
+    assert f"| `tv/estimate` | {last['tv/estimate']:.4g} | 2 |" in section
+    assert "| `eval/tiny/mean@1` |" in section
+    # TRL's own parts: the dataset link, the trainer's name and the paper's citation.
+    assert "datasets/open-r1/DAPO-Math-17k-Processed" in card and "trained with TV-OPD" in card
+    assert "@misc{xiao2026tvopd" in card and "tv-opd" in card.split("---")[1]  # the tag, in the YAML header
+
+
+def test_card_section_for_a_baseline_and_without_a_marker(tmp_path):
+    args = tiny_config(tmp_path, advantage_mode="clip")
+    section = card_section(args, [{"step": 3, "tv/scale": 1.0, "tv/estimate": float("nan")}], teacher="t")
+    assert "`advantage_mode='clip'`." in section and "`advantage_clip_low=-5.0`" in section
+    assert "`tv_alpha" not in section and "tv/estimate" not in section  # NaN values are not reported
+    assert insert_section("# Card\n", section) == "# Card\n\n" + section

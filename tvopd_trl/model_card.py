@@ -1,0 +1,75 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The TV-OPD section of a model card: what trained the model, on what, and how the run ended.
+
+TRL's model-card mechanism (`Trainer.create_model_card`) writes the card; [`TVOPDTrainer`] inserts this section into it.
+"""
+
+import math
+
+
+_MODE_HYPERPARAMETERS = {
+    "tv": ("tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps"),
+    "clip": ("advantage_clip_low", "advantage_clip_high"),
+    "power": ("power_gamma",),
+    "relative_power": ("relative_power_beta",),
+}
+_SHARED_HYPERPARAMETERS = (
+    "learning_rate",
+    "temperature",
+    "max_completion_length",
+    "epsilon",
+    "epsilon_high",
+    "num_iterations",
+    "steps_per_generation",
+)
+
+
+def card_section(args, log_history, teacher=None, dataset=None):
+    """Markdown: the advantage mode and its hyperparameters, the teacher, the dataset, and the run's last values of
+    `tv/scale`, `tv/estimate` and every `eval/...` metric in `log_history`."""
+    mode = args.advantage_mode
+    lines = ["## TV-OPD training", ""]
+    lines.append(
+        f"Trained with on-policy distillation, `advantage_mode={mode!r}`" + (" (TV-OPD)." if mode == "tv" else ".")
+    )
+    if teacher:
+        lines.append(f"- Teacher: `{teacher}`")
+    if dataset:
+        lines.append(f"- Prompts: `{dataset}`")
+    names = _MODE_HYPERPARAMETERS.get(mode, ()) + _SHARED_HYPERPARAMETERS
+    lines.append("- Hyperparameters: " + ", ".join(f"`{name}={getattr(args, name)}`" for name in names))
+    last = {}
+    for entry in log_history:
+        for key, value in entry.items():
+            if (key in ("tv/scale", "tv/estimate") or key.startswith("eval/")) and _is_number(value):
+                last[key] = (entry.get("step"), value)
+    if "step" in (log_history[-1] if log_history else {}):
+        lines.append(f"- Optimizer steps: {log_history[-1]['step']}")
+    if last:
+        lines += ["", "| metric | last value | at step |", "| --- | ---: | ---: |"]
+        lines += [f"| `{key}` | {value:.4g} | {step} |" for key, (step, value) in sorted(last.items())]
+    return "\n".join(lines) + "\n"
+
+
+def insert_section(card_text, section):
+    """`card_text` with `section` before its "### Framework versions" heading (at the end if there is none)."""
+    marker = "### Framework versions"
+    if marker in card_text:
+        return card_text.replace(marker, section + "\n" + marker, 1)
+    return card_text.rstrip("\n") + "\n\n" + section
+
+
+def _is_number(value):
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
