@@ -309,6 +309,7 @@ def test_evaluate_writes_auditable_records(tmp_path):
     assert records[0] == {
         "problem_id": "22+13",
         "sample": 0,
+        "gold": "35",
         "answer": "35",
         "correct": True,
         "status": "correct",
@@ -326,8 +327,11 @@ def test_evaluate_adds_benchmarks_and_refuses_to_mix_settings(tmp_path):
     evaluate(always, ["tiny"], settings, tmp_path, limit=3)
     evaluate(always, ["amc23"], settings, tmp_path, data_dir=DATA_DIR, limit=3)
     assert set(json.loads((tmp_path / "results.json").read_text())["benchmarks"]) == {"tiny", "amc23"}
-    with pytest.raises(ValueError, match="holds an evaluation with other settings"):
+    with pytest.raises(ValueError, match=r"holds another evaluation: \(there, here\) = \{'settings'"):
         evaluate(always, ["tiny"], SamplingSettings(k=2, temperature=1.0), tmp_path, limit=3)
+    with pytest.raises(ValueError, match=r"holds another evaluation: \(there, here\) = \{'model': \(None, 'other'\)"):
+        evaluate(always, ["tiny"], settings, tmp_path, limit=3, model="other")  # another model never merges in
+    assert not (tmp_path / "results.json.tmp").exists()  # written atomically
     with pytest.raises(ValueError, match="Unknown benchmark"):
         evaluate(always, ["tiny", "nope"], settings)
 
@@ -408,3 +412,16 @@ def test_callback_validates_its_benchmarks_before_training(make_trainer, tmp_pat
         BenchmarkEvalCallback(trainer, ["aime24"], eval_every_steps=2, data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="at least 1"):
         BenchmarkEvalCallback(trainer, ["tiny"], eval_every_steps=0)
+
+
+def test_callback_refuses_evaluations_left_by_an_earlier_run(make_trainer, tmp_path):
+    (tmp_path / "eval" / "mean@2" / "step-8").mkdir(parents=True)
+    (tmp_path / "eval" / "mean@2" / "step-8" / "results.json").write_text('{"benchmarks": {}}')
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=2))
+    trainer.add_callback(BenchmarkEvalCallback(trainer, ["tiny"], 2, settings=SamplingSettings(k=2), limit=2))
+    with pytest.raises(ValueError, match=r"evaluations of steps \[8\], beyond step 0 .* earlier run"):
+        trainer.train()
+
+
+def test_a_gold_answer_math_verify_cannot_parse_is_reported():
+    assert grade(["5", "5"], ["5", "\\text{}"]) == ["correct", "invalid_gold"]

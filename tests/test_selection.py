@@ -209,3 +209,38 @@ def test_select_and_report_commands(tmp_path, capsys):
 def test_report_errors_without_evaluations(tmp_path, capsys):
     assert cli_main(["select", str(tmp_path)]) == 2
     assert "has no evaluations" in capsys.readouterr().err
+
+
+def test_load_run_refuses_steps_evaluated_under_different_settings(tmp_path):
+    write_run(tmp_path, {10: {"aime24": 0.5}, 20: {"aime24": 0.5}})
+    path = tmp_path / "eval" / "mean@4" / "step-20" / "results.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "limit": 5}))
+    with pytest.raises(ValueError, match=r"mixes evaluation settings across steps.*steps \[20\]"):
+        load_run(str(tmp_path))
+
+
+def test_selection_warns_about_steps_missing_a_benchmark():
+    with pytest.warns(UserWarning, match=r"Steps \[200\] lack some of"):
+        assert select_checkpoint({100: uniform(0.5), 200: {"aime24": 1.0}}).step == 100
+
+
+def test_report_leaves_out_runs_that_miss_a_window_and_says_so(tmp_path, capsys):
+    write_run(tmp_path / "long", {s: uniform(0.4) for s in (0, 50, 100)})
+    write_run(tmp_path / "short", {s: uniform(0.3) for s in (0, 50)})
+    argv = ["report", "--method", f"A={tmp_path / 'long'}", "--method", f"B={tmp_path / 'short'}"]
+    argv += [
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--late_window",
+        "100:100:50",
+        "--stages",
+        "early=0:50,late=100:100",
+    ]
+    assert cli_main([*argv, "--horizon", "all"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["retention"]["B"] == {"LateMean": None, "PeakDrop": None}
+    assert report["retention"]["A"]["LateMean"][0] == pytest.approx(0.4)
+    assert report["stages"]["AIME24, late stage"] == {"A": pytest.approx(0.4), "B": None}
+    assert "B: not every run was evaluated at every step of the late window" in report["coverage_gaps"]
+    assert "Left out: B: 1 run(s) without late-stage evaluations." in capsys.readouterr().out
+    assert "\\caption{Validation accuracy (mean@4, \\%)" in (tmp_path / "out" / "main_results.tex").read_text()

@@ -200,6 +200,13 @@ class TVOPDTrainer(DistillationTrainer):
             )
 
         self._teacher_client = teacher_client
+        if served and self.temperature != 1.0:
+            warnings.warn(
+                f"A teacher server scores at temperature {self.temperature} only if it applies the temperature to "
+                "prompt log-probabilities (vLLM's `--logprobs-mode processed_logprobs`, which `trl vllm-serve` sets); "
+                "a plain `vllm serve` returns temperature-1 log-probabilities. The paper samples at temperature 1.",
+                stacklevel=2,
+            )
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         if self.is_fsdp_enabled and not served:
             # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
@@ -287,7 +294,7 @@ class TVOPDTrainer(DistillationTrainer):
         )
         if (
             train_dataset is not None
-            and not isinstance(train_dataset, IterableDataset)
+            and hasattr(train_dataset, "__len__")  # an iterable dataset has no size to check
             and len(train_dataset) < rollout
         ):
             raise ValueError(

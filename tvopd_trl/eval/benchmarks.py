@@ -153,11 +153,11 @@ def read_problems(path):
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}, line {line_number}: not valid JSON ({error}).") from None
-            missing = [key for key in FIELDS if key not in row or row[key] is None]
+            missing = [key for key in FIELDS if key not in row or row[key] is None or not str(row[key]).strip()]
             if missing:
                 raise ValueError(
                     f"{path}, line {line_number}: missing field {', '.join(repr(key) for key in missing)}. Each line "
-                    f"needs {', '.join(FIELDS)}."
+                    f"needs a non-empty {', '.join(FIELDS)}."
                 )
             problems.append(Problem(*(_as_text(row[key]) for key in FIELDS)))
     if not problems:

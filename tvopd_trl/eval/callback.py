@@ -13,11 +13,13 @@
 # limitations under the License.
 """In-training evaluation: benchmark accuracy every N optimizer steps, logged through `report_to`."""
 
+import os
+
 from transformers import TrainerCallback
 
 from .accuracy import mean_at_k
 from .benchmarks import get_benchmark, load_problems
-from .evaluate import evaluate, step_dir
+from .evaluate import evaluate, evaluated_steps, step_dir
 from .generation import SamplingSettings, TransformersGenerator
 from .grading import DEFAULT_TIMEOUT_SECONDS
 
@@ -87,14 +89,26 @@ class BenchmarkEvalCallback(TrainerCallback):
             self.benchmarks,
             self.settings,
             step_dir(args.output_dir, state.global_step, self.settings.k),
-            metadata={"step": state.global_step, "model": args.output_dir},
+            model=os.path.abspath(args.output_dir),
+            metadata={"step": state.global_step},
             **self.options,
         )
         self.history.append((state.global_step, results))
-        return {f"eval/{name}/mean@{scores['k']}": mean_at_k(scores) for name, scores in results["benchmarks"].items()}
+        k = self.settings.k
+        return {f"eval/{b.name}/mean@{k}": mean_at_k(results["benchmarks"][b.name]) for b in self.benchmarks}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.at_start and state.global_step == 0 and state.is_world_process_zero:
+        if not state.is_world_process_zero:
+            return
+        # Evaluations beyond the step training starts from belong to an earlier run in this output_dir.
+        later = [step for step in evaluated_steps(args.output_dir, self.settings.k) if step > state.global_step]
+        if later:
+            raise ValueError(
+                f"{args.output_dir} holds mean@{self.settings.k} evaluations of steps {later}, beyond step "
+                f"{state.global_step} where this run starts: they belong to an earlier run. Use a fresh output_dir, "
+                f"or move {os.path.join(args.output_dir, 'eval')} away."
+            )
+        if self.at_start and state.global_step == 0:
             self.trainer.log(self._evaluate(args, state))
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -20,13 +20,15 @@ folder per protocol, so that the paper's mean@4 training curves and mean@16 chec
 other. Checkpoint selection and the reports read them there.
 """
 
+import glob
 import json
 import os
+import re
 import time
 
 from .accuracy import summarize
 from .benchmarks import get_benchmark, load_problems
-from .grading import CORRECT, DEFAULT_TIMEOUT_SECONDS, NO_ANSWER, TIMEOUT, grade_responses
+from .grading import CORRECT, DEFAULT_TIMEOUT_SECONDS, INVALID_GOLD, NO_ANSWER, TIMEOUT, grade_responses
 
 
 RESULTS_FILE = "results.json"
@@ -35,6 +37,16 @@ RESULTS_FILE = "results.json"
 def step_dir(run_dir, step, k):
     """Where a run's mean@`k` evaluation at `step` lives."""
     return os.path.join(run_dir, "eval", f"mean@{k}", f"step-{step}")
+
+
+def evaluated_steps(run_dir, k):
+    """The steps with a mean@`k` evaluation (a `results.json`) in `run_dir`, in increasing order."""
+    steps = []
+    for path in glob.glob(os.path.join(run_dir, "eval", f"mean@{k}", "step-*", RESULTS_FILE)):
+        match = re.fullmatch(r"step-(\d+)", os.path.basename(os.path.dirname(path)))
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
 
 
 def evaluate(
@@ -49,27 +61,24 @@ def evaluate(
     workers=2,
     timeout_seconds=DEFAULT_TIMEOUT_SECONDS,
     save_responses=False,
+    model=None,
     metadata=None,
 ):
     """Scores of `generator` (a [`TransformersGenerator`] or [`VLLMGenerator`]) on each of `benchmarks`.
 
     Returns `{"benchmarks": {name: scores}, "settings": ..., **metadata}`, where scores are [`summarize`]'s plus
     the counts of responses with no answer and of grading timeouts. With `output_dir`, writes the per-response
-    records and `results.json` there; benchmarks already in that `results.json` are kept if it was written with the
-    same settings, and an evaluation with other settings is refused rather than overwriting it. `prompt_template`
-    overrides every benchmark's own (see `Benchmark`)."""
+    records and `results.json` there; benchmarks already in that `results.json` are kept if it was written for the
+    same `model` (a name for what is evaluated: a path, or a run's output directory) with the same settings, and any
+    other evaluation is refused rather than mixed in. `prompt_template` overrides every benchmark's own (see
+    `Benchmark`)."""
     benchmarks = [get_benchmark(name) for name in benchmarks]  # unknown names fail before any generation
-    protocol = evaluation_protocol(settings, limit, prompt_template)
+    protocol = evaluation_protocol(settings, limit, prompt_template, model)
     results = {"benchmarks": {}, **protocol, **(metadata or {})}
     if output_dir is not None:
         previous = read_results(output_dir)
         if previous is not None:
-            existing = {key: previous.get(key) for key in protocol}
-            if existing != protocol:
-                raise ValueError(
-                    f"{output_dir} holds an evaluation with other settings ({existing}); write this one ({protocol}) "
-                    "elsewhere, or move that one away."
-                )
+            check_protocol(output_dir, previous, protocol)
             results["benchmarks"] = previous["benchmarks"]
         os.makedirs(output_dir, exist_ok=True)
     for benchmark in benchmarks:
@@ -87,6 +96,7 @@ def evaluate(
         scores = summarize([correct[i : i + settings.k] for i in range(0, len(correct), settings.k)])
         scores["no_answer"] = statuses.count(NO_ANSWER)
         scores["timeouts"] = statuses.count(TIMEOUT)
+        scores["invalid_gold"] = statuses.count(INVALID_GOLD)
         scores["seconds"] = time.perf_counter() - start
         results["benchmarks"][benchmark.name] = scores
         if output_dir is not None:
@@ -95,6 +105,7 @@ def evaluate(
                     record = {
                         "problem_id": problems[index // settings.k].id,
                         "sample": index % settings.k,
+                        "gold": golds[index],
                         "answer": answer,
                         "correct": status == CORRECT,
                         "status": status,
@@ -102,15 +113,30 @@ def evaluate(
                     if save_responses:
                         record["response"] = flat[index]
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            # After each benchmark: a long evaluation that stops keeps what it finished.
-            with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+            # After each benchmark, and atomically: a long evaluation that stops keeps what it finished, intact.
+            path = os.path.join(output_dir, RESULTS_FILE)
+            with open(f"{path}.tmp", "w") as f:
                 json.dump(results, f, indent=2)
+            os.replace(f"{path}.tmp", path)
     return results
 
 
-def evaluation_protocol(settings, limit, prompt_template):
-    """What must match for two evaluations to be one: the sampling settings, the problem limit and the prompt."""
-    return {"settings": settings.to_dict(), "limit": limit, "prompt_template": prompt_template}
+def evaluation_protocol(settings, limit, prompt_template, model):
+    """What must match for two evaluations to share a folder: the model, the sampling settings, the problem limit and
+    the prompt."""
+    return {"model": model, "settings": settings.to_dict(), "limit": limit, "prompt_template": prompt_template}
+
+
+def check_protocol(output_dir, previous, protocol):
+    """Refuses to add an evaluation to `output_dir` whose `results.json` (`previous`) was written under another
+    protocol."""
+    existing = {key: previous.get(key) for key in protocol}
+    if existing != protocol:
+        differing = {key: (existing[key], protocol[key]) for key in protocol if existing[key] != protocol[key]}
+        raise ValueError(
+            f"{output_dir} holds another evaluation: (there, here) = {differing}. Write this one elsewhere, or move "
+            "that one away."
+        )
 
 
 def read_results(output_dir):

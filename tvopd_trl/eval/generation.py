@@ -65,6 +65,8 @@ class TransformersGenerator:
                 do_sample=True, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k
             )
         device = next(model.parameters()).device
+        # The model's own end-of-turn tokens when it declares them (Qwen3 lists two); the tokenizer's EOS otherwise.
+        eos_token_id = model.generation_config.eos_token_id or tokenizer.eos_token_id
         outputs = [[] for _ in prompts]
         expanded = [i for i in range(len(texts)) for _ in range(1 if greedy else settings.k)]
         try:
@@ -80,7 +82,7 @@ class TransformersGenerator:
                         **batch,
                         max_new_tokens=settings.max_new_tokens,
                         pad_token_id=tokenizer.pad_token_id,
-                        eos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=eos_token_id,
                         **sampling,
                     )
                     completions = tokenizer.batch_decode(

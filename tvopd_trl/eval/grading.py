@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 CORRECT, INCORRECT, NO_ANSWER, TIMEOUT = "correct", "incorrect", "no_answer", "timeout"
+INVALID_GOLD = "invalid_gold"  # the gold answer itself does not parse: a data problem, never the model's
 DEFAULT_TIMEOUT_SECONDS = 10.0
 
 
@@ -80,7 +81,8 @@ def _parse_boxed(content):
 def grade_answer(answer, gold, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     """The status of one extracted `answer` (a ``\\boxed{}`` content, or `None`) against `gold`.
 
-    One of `"correct"`, `"incorrect"`, `"no_answer"` (nothing boxed, or an empty box) and `"timeout"`. The alarm
+    One of `"correct"`, `"incorrect"`, `"no_answer"` (nothing boxed, or an empty box), `"timeout"` and
+    `"invalid_gold"` (math-verify cannot parse the gold answer: fix the benchmark file). The alarm
     needs the main thread of a process: call this in a worker of [`grade`], not in a thread."""
     from math_verify import verify
 
@@ -91,8 +93,12 @@ def grade_answer(answer, gold, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     try:
         _alarm_armed = True
         signal.setitimer(signal.ITIMER_REAL, timeout_seconds)
-        gold_parsed, answer_parsed = _parse_boxed(gold), _parse_boxed(answer)
-        equal = bool(gold_parsed) and bool(answer_parsed) and verify(gold_parsed, answer_parsed, timeout_seconds=None)
+        gold_parsed = _parse_boxed(gold)
+        if not gold_parsed:
+            _alarm_armed = False
+            return INVALID_GOLD
+        answer_parsed = _parse_boxed(answer)
+        equal = bool(answer_parsed) and verify(gold_parsed, answer_parsed, timeout_seconds=None)
         _alarm_armed = False
         return CORRECT if equal else INCORRECT
     except _GradingTimeout:

@@ -28,11 +28,12 @@ import json
 import os
 import re
 import statistics
+import warnings
 from typing import NamedTuple
 
 from .accuracy import mean_at_k
 from .benchmarks import PAPER_BENCHMARKS
-from .evaluate import RESULTS_FILE
+from .evaluate import RESULTS_FILE, evaluated_steps, read_results, step_dir
 
 
 RETENTION_BENCHMARKS = ("aime24", "aime25")
@@ -73,17 +74,20 @@ def load_run(run_dir, k=None):
         k = ks[0]
     if k not in ks:
         raise ValueError(f"{run_dir} has no mean@{k} evaluations; it has mean@{ks}.")
-    run = {}
-    for path in glob.glob(os.path.join(run_dir, "eval", f"mean@{k}", "step-*", RESULTS_FILE)):
-        match = re.fullmatch(r"step-(\d+)", os.path.basename(os.path.dirname(path)))
-        if match is None:
-            continue
-        with open(path) as f:
-            benchmarks = json.load(f)["benchmarks"]
-        run[int(match.group(1))] = {name: mean_at_k(scores) for name, scores in benchmarks.items()}
+    run, protocols = {}, {}
+    for step in evaluated_steps(run_dir, k):
+        results = read_results(step_dir(run_dir, step, k))
+        run[step] = {name: mean_at_k(scores) for name, scores in results["benchmarks"].items()}
+        protocol = json.dumps({key: results.get(key) for key in ("settings", "limit", "prompt_template")})
+        protocols.setdefault(protocol, []).append(step)
     if not run:
         raise ValueError(f"{run_dir}/eval/mean@{k} holds no step-<N>/{RESULTS_FILE}.")
-    return dict(sorted(run.items()))
+    if len(protocols) > 1:
+        groups = "; ".join(f"steps {steps}: {protocol}" for protocol, steps in protocols.items())
+        raise ValueError(
+            f"{run_dir}/eval/mean@{k} mixes evaluation settings across steps, which cannot be compared: {groups}."
+        )
+    return run
 
 
 def select_checkpoint(run, benchmarks=PAPER_BENCHMARKS, min_step=1, max_step=1000):
@@ -102,6 +106,13 @@ def select_checkpoint(run, benchmarks=PAPER_BENCHMARKS, min_step=1, max_step=100
         missing = sorted({name for scores in in_range.values() for name in benchmarks if name not in scores})
         raise ValueError(
             f"No step in {min_step}..{max_step} has all of {', '.join(benchmarks)}; missing: {', '.join(missing)}."
+        )
+    incomplete = sorted(step for step in run if min_step <= step <= max_step and step not in candidates)
+    if incomplete:
+        warnings.warn(
+            f"Steps {incomplete} lack some of {', '.join(benchmarks)} and are not candidates for selection (an "
+            "evaluation that crashed or is still running?).",
+            stacklevel=2,
         )
     means = {step: sum(values) / len(values) for step, values in candidates.items()}
     best = max(means.values())

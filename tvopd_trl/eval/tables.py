@@ -96,7 +96,7 @@ def format_table(
         lines = [
             "\\begin{table}[t]",
             "  \\centering",
-            *([f"  \\caption{{{caption}}}"] if caption else []),
+            *([f"  \\caption{{{_latex_escape(caption)}}}"] if caption else []),
             f"  \\begin{{tabular}}{{l{'c' * len(columns)}}}",
             "  \\toprule",
             "  " + " & ".join(f"\\textbf{{{title}}}" for title in titles) + " \\\\",
@@ -115,4 +115,4 @@ def _mean(value):
 def _latex_escape(text):
     for character in "&%$#_{}":
         text = text.replace(character, "\\" + character)
-    return text
+    return text.replace("±", "$\\pm$").replace("–", "--")

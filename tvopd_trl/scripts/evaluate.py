@@ -161,7 +161,7 @@ def results_table(results):
 
 def main(args):
     from ..eval import SamplingSettings, evaluate, get_benchmark, load_problems, step_dir
-    from ..eval.evaluate import evaluation_protocol, read_results
+    from ..eval.evaluate import check_protocol, evaluation_protocol, read_results
 
     settings = SamplingSettings(
         k=args.k,
@@ -184,11 +184,17 @@ def main(args):
             f"{args.model} is neither a model (no config.json) nor a run directory (no checkpoint-<N> folders): "
             "nothing to evaluate. Save checkpoints during training (`save_strategy`), or point at a model."
         )
+    # What an evaluation folder records as the evaluated model: the run for a run's checkpoints (the step folder says
+    # which one; `BenchmarkEvalCallback` does the same), else the model as named.
     if run_checkpoints:
-        targets = [(path, step_dir(args.model, step, args.k), step) for step, path in run_checkpoints.items()]
+        run = os.path.abspath(args.model)
+        targets = [(path, step_dir(args.model, step, args.k), run) for step, path in run_checkpoints.items()]
     else:
-        output_dir = args.output_dir or os.path.join("eval", os.path.basename(os.path.normpath(args.model)))
-        targets = [(args.model, output_dir, None)]
+        model_id = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+        output_dir = args.output_dir or os.path.join(
+            "eval", os.path.normpath(args.model).strip("/").replace("/", "--")
+        )
+        targets = [(args.model, output_dir, model_id)]
     options = dict(
         data_dir=args.data_dir,
         limit=args.limit,
@@ -197,19 +203,23 @@ def main(args):
         timeout_seconds=args.grading_timeout,
         save_responses=args.save_responses,
     )
-    protocol = evaluation_protocol(settings, args.limit, args.prompt_template)
+    todo = {}
+    for _, output_dir, model_id in targets:  # every conflict is reported before any model loads
+        previous = read_results(output_dir)
+        if previous is not None:
+            check_protocol(
+                output_dir, previous, evaluation_protocol(settings, args.limit, args.prompt_template, model_id)
+            )
+        done = set(previous["benchmarks"]) if previous is not None else set()
+        todo[output_dir] = [name for name in names if get_benchmark(name).name not in done]
     all_results = []
-    for model_path, output_dir, step in targets:
-        previous = read_results(output_dir) if step is not None else None
-        if previous is not None and any(previous.get(key) != value for key, value in protocol.items()):
-            previous = None  # `evaluate` refuses to mix protocols in one folder, and says so
-        todo = [name for name in names if previous is None or get_benchmark(name).name not in previous["benchmarks"]]
-        if not todo:
-            print(f"step {step}: {', '.join(names)} already evaluated in {output_dir}")
-            all_results.append(previous)
+    for model_path, output_dir, model_id in targets:
+        if not todo[output_dir]:
+            print(f"{model_path}: {', '.join(names)} already evaluated in {output_dir}")
+            all_results.append(read_results(output_dir))
             continue
-        metadata = {"model": model_path, "step": step}
-        results = evaluate(_generator(args, model_path), todo, settings, output_dir, metadata=metadata, **options)
+        generator = _generator(args, model_path)
+        results = evaluate(generator, todo[output_dir], settings, output_dir, model=model_id, **options)
         table = results_table(results)
         with open(os.path.join(output_dir, "table.md"), "w") as f:
             f.write(table)

@@ -76,19 +76,20 @@ def _selection_arguments(parser):
 
 def select(args):
     """Selects each run's checkpoint, writes `<run>/selection.json`, and prints the per-run and aggregated scores."""
-    from ..eval.selection import aggregate_selections, load_run, select_checkpoint
+    from ..eval.selection import aggregate_selections, evaluated_ks, load_run, select_checkpoint
     from ..eval.tables import format_table
 
     selections = {}
     for run_dir in args.runs:
         selection = select_checkpoint(load_run(run_dir, args.k), args.benchmarks, args.min_step, args.max_step)
+        k = args.k or evaluated_ks(run_dir)[0]  # `load_run` has refused an ambiguous default
         checkpoint = os.path.join(run_dir, f"checkpoint-{selection.step}")
         record = {
             "step": selection.step,
             "checkpoint": checkpoint if os.path.isdir(checkpoint) else None,
             "mean": selection.mean,
             "scores": selection.scores,
-            "k": args.k,
+            "k": k,
             "rule": (
                 f"earliest step with the highest unweighted mean of {', '.join(args.benchmarks)} within steps "
                 f"{args.min_step}..{args.max_step}"
@@ -186,23 +187,32 @@ def report(args):
         filename = f"curve_{name if name in retention else 'aggregate'}.png"
         written.append(plot_curves(curves, os.path.join(args.output_dir, filename), f"{title} ({alignment.horizon})"))
 
-    stage_rows = {}
+    # A run that lacks a stage, or the late window, is left out of that number, and the output says so: the paper's
+    # runs did not all cover every window either.
+    stage_rows, gaps = {}, []
     for name in retention:
-        for stage in args.stages:
-            stage_rows[f"{get_benchmark(name).title}, {stage} stage"] = {
-                method: mean_std(stage_averages(series, args.stages)[stage] for series in runs)[0]
-                for method, runs in series_of[name].items()
+        for stage, bounds in args.stages.items():
+            row = {}
+            for method, runs in series_of[name].items():
+                covered = [stage_averages(s, {stage: bounds})[stage] for s in runs if _covers_stage(s, bounds)]
+                row[method] = mean_std(covered)[0] if covered else None
+                if len(covered) < len(runs):
+                    gaps.append(f"{method}: {len(runs) - len(covered)} run(s) without {stage}-stage evaluations")
+            stage_rows[f"{get_benchmark(name).title}, {stage} stage"] = row
+    retention_rows = {}
+    for method, runs in series_of[aggregate_name].items():
+        if all(all(step in s for step in args.late_window) for s in runs):
+            retention_rows[method] = {
+                "LateMean": mean_std(late_mean(s, args.late_window) for s in runs),
+                "PeakDrop": mean_std(peak_drop(s, args.late_window) for s in runs),
             }
+        else:
+            retention_rows[method] = {"LateMean": None, "PeakDrop": None}
+            gaps.append(f"{method}: not every run was evaluated at every step of the late window")
+    outputs["coverage_gaps"] = sorted(set(gaps))
     stage_caption = "Stage-wise accuracy (%), averaged within each window and run, then across runs; " + ", ".join(
         f"{stage}: steps {first}–{last}" for stage, (first, last) in args.stages.items()
     )
-    retention_rows = {
-        method: {
-            "LateMean": mean_std(late_mean(series, args.late_window) for series in runs),
-            "PeakDrop": mean_std(peak_drop(series, args.late_window) for series in runs),
-        }
-        for method, runs in series_of[aggregate_name].items()
-    }
     retention_caption = (
         f"Retention of {aggregate_name}: LateMean over steps {args.late_window[0]}..{args.late_window[-1]} "
         f"(every {args.late_window[1] - args.late_window[0] if len(args.late_window) > 1 else 0}), PeakDrop = max S_k "
@@ -234,8 +244,14 @@ def report(args):
         with open(os.path.join(args.output_dir, name)) as f:
             print(f.read())
     print(f"Curves, stages and retention on the {alignment.note}.")
+    for gap in outputs["coverage_gaps"]:
+        print(f"Left out: {gap}.")
     print(f"Wrote {', '.join(os.path.basename(path) for path in written)} and report.json to {args.output_dir}")
     return outputs
+
+
+def _covers_stage(series, bounds):
+    return any(bounds[0] <= step <= bounds[1] for step in series)
 
 
 def make_parser(command):

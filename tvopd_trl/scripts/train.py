@@ -131,17 +131,20 @@ class Accuracy:
         self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
         load_problems(job_args.eval_benchmark, **self.options)  # a bad name or file fails before any training
 
-    def __call__(self, model, greedy=False, output_dir=None):
-        from ..eval import SamplingSettings, TransformersGenerator, evaluate, mean_at_k
+    def __call__(self, model, greedy=False, output_dir=None, model_id=None):
+        """mean@k (or greedy accuracy) of `model`; with `output_dir`, records land there under `model_id`."""
+        from ..eval import SamplingSettings, TransformersGenerator, evaluate, get_benchmark, mean_at_k
 
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
         settings = (
             SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
         )
         generator = TransformersGenerator(model, self.tokenizer, self.job_args.eval_batch_size)
-        name = self.job_args.eval_benchmark
-        results = evaluate(generator, [name], settings or self.settings, output_dir, **self.options)
-        return mean_at_k(next(iter(results["benchmarks"].values())))
+        benchmark = get_benchmark(self.job_args.eval_benchmark)
+        results = evaluate(
+            generator, [benchmark], settings or self.settings, output_dir, model=model_id, **self.options
+        )
+        return mean_at_k(results["benchmarks"][benchmark.name])
 
 
 def main(job_args, training_args):
@@ -149,7 +152,7 @@ def main(job_args, training_args):
     from rich.console import Console
 
     from .. import tiny
-    from ..eval import BenchmarkEvalCallback, mean_at_k, step_dir
+    from ..eval import BenchmarkEvalCallback, get_benchmark, mean_at_k, step_dir
     from ..plots import plot_run
     from ..prompts import to_prompt_dataset
     from ..trainer import TVOPDTrainer
@@ -193,17 +196,23 @@ def main(job_args, training_args):
         )
         trainer.add_callback(curve)
     results = {}
+    out = training_args.output_dir
+    if state.is_main_process and training_args.resume_from_checkpoint is None and os.path.isdir(f"{out}/eval"):
+        # A fresh run in a used output_dir: keep the earlier run's evaluations, out of this run's way.
+        kept = f"{out}/eval-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(f"{out}/eval", kept)
+        print(f"{out}/eval held an earlier run's evaluations: moved to {kept}")
     if accuracy is not None and state.is_main_process:
         student = trainer.accelerator.unwrap_model(trainer.model)
         if not served:  # a served teacher is not in this process to evaluate
             teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
             teacher_dir = os.path.join(training_args.output_dir, "eval", "teacher")
             results["teacher_accuracy"], results["teacher_accuracy_greedy"] = (
-                accuracy(teacher, False, teacher_dir),
+                accuracy(teacher, False, teacher_dir, model_id=teacher_path),
                 accuracy(teacher, True),
             )
         results["student_accuracy_before"] = accuracy(
-            student, output_dir=step_dir(training_args.output_dir, 0, job_args.eval_k)
+            student, output_dir=step_dir(out, 0, job_args.eval_k), model_id=os.path.abspath(out)
         )
         results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
     train_start = time.perf_counter()
@@ -213,7 +222,8 @@ def main(job_args, training_args):
 
     if state.is_main_process:
         history = [
-            (step, mean_at_k(next(iter(r["benchmarks"].values())))) for step, r in (curve.history if curve else [])
+            (step, mean_at_k(r["benchmarks"][get_benchmark(job_args.eval_benchmark).name]))
+            for step, r in (curve.history if curve else [])
         ]
         final_step = trainer.state.global_step
         if accuracy is not None:
@@ -223,7 +233,7 @@ def main(job_args, training_args):
                 results["student_accuracy_after"] = evaluated[final_step]
             else:
                 results["student_accuracy_after"] = accuracy(
-                    student, output_dir=step_dir(training_args.output_dir, final_step, job_args.eval_k)
+                    student, output_dir=step_dir(out, final_step, job_args.eval_k), model_id=os.path.abspath(out)
                 )
                 history.append((final_step, results["student_accuracy_after"]))
             results["student_accuracy_after_greedy"] = accuracy(student, greedy=True)

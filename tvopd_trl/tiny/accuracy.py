@@ -22,5 +22,6 @@ def evaluate_accuracy(model, tokenizer, split="test", k=4, greedy=False, seed=0,
         settings = SamplingSettings(k=1, temperature=0, max_new_tokens=max_new_tokens)
     else:
         settings = SamplingSettings(k=k, max_new_tokens=max_new_tokens, seed=seed)
-    results = evaluate(TransformersGenerator(model, tokenizer, batch_size), [tiny_benchmark(split)], settings)
-    return mean_at_k(next(iter(results["benchmarks"].values())))
+    benchmark = tiny_benchmark(split)
+    results = evaluate(TransformersGenerator(model, tokenizer, batch_size), [benchmark], settings)
+    return mean_at_k(results["benchmarks"][benchmark.name])
