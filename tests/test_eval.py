@@ -418,7 +418,9 @@ def test_callback_refuses_evaluations_left_by_an_earlier_run(make_trainer, tmp_p
     (tmp_path / "eval" / "mean@2" / "step-8").mkdir(parents=True)
     (tmp_path / "eval" / "mean@2" / "step-8" / "results.json").write_text('{"benchmarks": {}}')
     trainer = make_trainer(tiny_config(tmp_path, max_steps=2))
-    trainer.add_callback(BenchmarkEvalCallback(trainer, ["tiny"], 2, settings=SamplingSettings(k=2), limit=2))
+    trainer.add_callback(
+        BenchmarkEvalCallback(trainer, ["tiny"], 2, settings=SamplingSettings(k=2, max_new_tokens=8), limit=2)
+    )
     with pytest.raises(ValueError, match=r"evaluations of steps \[8\], beyond step 0 .* earlier run"):
         trainer.train()
 

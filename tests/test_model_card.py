@@ -9,7 +9,7 @@ from .conftest import tiny_config
 def test_the_card_says_how_the_model_was_trained(make_trainer, model_dirs, tmp_path):
     trainer = make_trainer(tiny_config(tmp_path, max_steps=2, tv_alpha=0.25))
     trainer.add_callback(
-        BenchmarkEvalCallback(trainer, ["tiny"], eval_every_steps=2, settings=SamplingSettings(k=1), limit=4)
+        BenchmarkEvalCallback(trainer, ["tiny"], 2, settings=SamplingSettings(k=1, max_new_tokens=8), limit=4)
     )
     trainer.dataset_name = "open-r1/DAPO-Math-17k-Processed"
     trainer.train()
