@@ -44,3 +44,21 @@ def tiny_config(output_dir, **overrides):
     )
     defaults.update(overrides)
     return TVOPDConfig(**defaults)
+
+
+def tiny_pair_trainer(args, prompts=64, trainer_class=None, **kwargs):
+    """A trainer (`TVOPDTrainer` or `trainer_class`) on the shipped tiny pair and the first `prompts` prompts of its
+    OPD split; `kwargs` go to the trainer."""
+    from transformers import AutoTokenizer
+
+    from .tiny import prompt_dataset, student_path, teacher_path
+    from .trainer import TVOPDTrainer
+
+    return (trainer_class or TVOPDTrainer)(
+        model=student_path(),
+        teacher_model=teacher_path(),
+        args=args,
+        train_dataset=prompt_dataset("opd", prompts),
+        processing_class=AutoTokenizer.from_pretrained(student_path(), padding_side="left"),
+        **kwargs,
+    )

@@ -10,9 +10,10 @@ import sys
 import torch
 from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
-from tvopd_trl import TVOPDConfig, TVOPDTrainer, tiny
+from tvopd_trl import TVOPDConfig, TVOPDTrainer
+from tvopd_trl.testing import tiny_pair_trainer
 
 
 # Saved with the results, so that the single-process replay runs the same configuration.
@@ -64,14 +65,7 @@ def main(output_dir):
         **CONFIG,
     )
     gradients = GradientRecorder()
-    trainer = RecordingTrainer(
-        model=tiny.student_path(),
-        teacher_model=tiny.teacher_path(),
-        args=args,
-        train_dataset=tiny.prompt_dataset("opd", 64),
-        processing_class=AutoTokenizer.from_pretrained(tiny.student_path(), padding_side="left"),
-        callbacks=[gradients],
-    )
+    trainer = tiny_pair_trainer(args, trainer_class=RecordingTrainer, callbacks=[gradients])
     accelerator = trainer.accelerator
     check_launch(accelerator, DistributedType.MULTI_CPU)
     trainer.train()

@@ -18,11 +18,11 @@ from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import tvopd_trl.trainer
-from tvopd_trl import TVOPDTrainer, tiny
-from tvopd_trl.testing import tiny_config
+from tvopd_trl import tiny
+from tvopd_trl.testing import tiny_config, tiny_pair_trainer
 
 
 def _pretend_multi_gpu():
@@ -98,14 +98,8 @@ def main(output_dir):
     )
     before_prepare_fsdp = []
     tvopd_trl.trainer.prepare_fsdp = _recording_prepare_fsdp(before_prepare_fsdp)
-    tokenizer = AutoTokenizer.from_pretrained(tiny.student_path(), padding_side="left")
-    trainer = TVOPDTrainer(
-        model=tiny.student_path(),
-        teacher_model=tiny.teacher_path(),
-        args=args,
-        train_dataset=tiny.prompt_dataset("opd", 32),
-        processing_class=tokenizer,
-    )
+    trainer = tiny_pair_trainer(args, prompts=32)
+    tokenizer = trainer.processing_class
     accelerator = trainer.accelerator
     check_launch(accelerator, DistributedType.FSDP)
     assert trainer.is_fsdp_enabled and accelerator.is_fsdp2

@@ -12,9 +12,10 @@ import sys
 
 from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result, skip_deepspeed_shm_op
-from transformers import AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
-from tvopd_trl import TVOPDConfig, TVOPDTrainer, tiny
+from tvopd_trl import TVOPDConfig
+from tvopd_trl.testing import tiny_pair_trainer
 
 
 CHECKPOINT_STEP = 2
@@ -67,14 +68,7 @@ def make_trainer(output_dir, max_steps):
     # the teacher (its own 10 * hidden size override uses dotted keys, which DeepSpeed ignores).
     args.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 640
     start = SchedulerAtTrainBegin()
-    trainer = TVOPDTrainer(
-        model=tiny.student_path(),
-        teacher_model=tiny.teacher_path(),
-        args=args,
-        train_dataset=tiny.prompt_dataset("opd", 64),
-        processing_class=AutoTokenizer.from_pretrained(tiny.student_path(), padding_side="left"),
-        callbacks=[start],
-    )
+    trainer = tiny_pair_trainer(args, callbacks=[start])
     start.trainer = trainer
     check_launch(trainer.accelerator, DistributedType.DEEPSPEED)
     assert trainer.accelerator.state.deepspeed_plugin.zero_stage == 3

@@ -11,9 +11,9 @@ import sys
 from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result, skip_deepspeed_shm_op
 from peft import LoraConfig
-from transformers import AutoTokenizer
 
-from tvopd_trl import TVOPDConfig, TVOPDTrainer, tiny
+from tvopd_trl import TVOPDConfig
+from tvopd_trl.testing import tiny_pair_trainer
 
 
 def main(output_dir):
@@ -35,12 +35,8 @@ def main(output_dir):
     )
     # Below DeepSpeed's default persistence threshold every tiny tensor would stay whole (see zero3_checkpoint_resume).
     args.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 640
-    trainer = TVOPDTrainer(
-        model=tiny.student_path(),
-        teacher_model=tiny.teacher_path(),
-        args=args,
-        train_dataset=tiny.prompt_dataset("opd", 64),
-        processing_class=AutoTokenizer.from_pretrained(tiny.student_path(), padding_side="left"),
+    trainer = tiny_pair_trainer(
+        args,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
     )
     accelerator = trainer.accelerator
