@@ -1,0 +1,103 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The configuration reference (docs/config-reference.md), generated from the dataclass docstrings.
+
+```bash
+python -m tvopd_trl.config_reference   # rewrites docs/config-reference.md; a test fails while it is stale
+```
+"""
+
+import inspect
+import os
+import re
+
+
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config-reference.md")
+
+
+def _classes():
+    from .config import TVOPDConfig
+    from .scripts.evaluate import EvalArguments
+    from .scripts.train import MainJobArguments
+
+    return [
+        (
+            TVOPDConfig,
+            "`TVOPDConfig`: the trainer (and `tvopd-trl train`)",
+            "Every field of `trl.DistillationConfig` and "
+            "`transformers.TrainingArguments` applies too; these are the ones TV-OPD adds or changes.",
+        ),
+        (MainJobArguments, "`MainJobArguments`: `tvopd-trl train` beyond the trainer", None),
+        (EvalArguments, "`EvalArguments`: `tvopd-trl eval`", None),
+    ]
+
+
+def _parameters(docstring):
+    """(group title, [(signature line, description)]) pairs of a TRL-style "Parameters:" docstring section."""
+    lines = inspect.cleandoc(docstring).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "Parameters:")
+    groups, entry = [], None
+    for line in lines[start + 1 :]:
+        if line and not line.startswith("    "):  # the section ends at the next unindented line
+            break
+        text = line.strip()
+        if text.startswith("> "):
+            groups.append((text[2:], []))
+        elif re.match(r"^ {4}\S", line):
+            entry = [text.rstrip(":"), []]
+            groups[-1][1].append(entry)
+        elif text and entry is not None:
+            entry[1].append(text)
+    return [(title, [(signature, " ".join(words)) for signature, words in entries]) for title, entries in groups]
+
+
+def documented_fields(cls):
+    """The field names that `cls`'s docstring documents."""
+    names = set()
+    for _, entries in _parameters(cls.__doc__):
+        for signature, _ in entries:
+            head = signature.split(" (")[0] if "(" in signature else signature
+            names.update(name.strip() for name in head.split(","))
+    return names
+
+
+def render():
+    """The whole reference, as Markdown."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the dataclass docstrings by `python -m tvopd_trl.config_reference`; do not edit by hand.",
+        "Recipes set these as YAML keys, and the command line as `--name value` flags.",
+    ]
+    for cls, title, note in _classes():
+        out += ["", f"## {title}", ""]
+        if note:
+            out += [note, ""]
+        for group, entries in _parameters(cls.__doc__):
+            out += [f"### {group}", ""]
+            for signature, description in entries:
+                if "(" in signature:  # "name (`type`, *optional*, defaults to ...)"
+                    name, _, rest = signature.partition(" ")
+                    out.append(f"- **`{name}`** {rest}: {description}")
+                else:  # several fields described together: "a, b, c"
+                    names = ", ".join(f"**`{name.strip()}`**" for name in signature.split(","))
+                    out.append(f"- {names}: {description}")
+            out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    with open(PATH, "w", encoding="utf-8") as f:
+        f.write(render())
+    print(f"wrote {PATH}")
