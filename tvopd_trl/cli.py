@@ -19,8 +19,11 @@
 - `tvopd-trl eval --model PATH --benchmarks aime24,math500 --k 16`: the paper's evaluation (`tvopd_trl.eval`).
 - `tvopd-trl select RUN_DIR [RUN_DIR ...]`: the paper's checkpoint selection over saved evaluations.
 - `tvopd-trl report --method NAME=RUN_DIR,... --output_dir DIR`: its tables and training curves.
+- `tvopd-trl push RUN_DIR --repo_id USER/NAME`: uploads a run's selected checkpoint, with its model card, to the Hub.
+- `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
 """
 
+import importlib
 import sys
 from argparse import ArgumentParser
 
@@ -74,7 +77,19 @@ COMMANDS = {
     "eval": "evaluate a model or a run's checkpoints on benchmarks",
     "select": "select each run's checkpoint",
     "report": "tables and curves from runs' evaluations",
+    "push": "upload a run's selected checkpoint to the Hub",
+    "doctor": "check a teacher/student pair for silent teacher-scoring bugs",
 }
+
+
+def command_parser(command):
+    """The argument parser of `tvopd-trl COMMAND` (docs/cli.md is generated from these)."""
+    if command in ("select", "report"):
+        from .scripts.report import make_parser
+
+        return make_parser(command)
+    module = importlib.import_module(f".scripts.{'evaluate' if command == 'eval' else command}", __package__)
+    return module.make_parser(prog=f"tvopd-trl {command}")
 
 
 def main(argv=None) -> int:
@@ -89,15 +104,16 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0 if not argv else 2
     command, script_argv = argv[0], argv[1:]
-    if command in ("eval", "select", "report"):
-        from .scripts import evaluate, report
+    if command != "train":
+        from .scripts import doctor, evaluate, push, report
 
+        runners = {"eval": evaluate.run, "push": push.run, "doctor": doctor.run}
         try:
-            evaluate.run(script_argv) if command == "eval" else report.run(command, script_argv)
-        except (ValueError, FileNotFoundError) as error:  # bad input: the message says what to fix
+            status = runners[command](script_argv) if command in runners else report.run(command, script_argv)
+        except (ValueError, FileNotFoundError, push.PushError) as error:  # the message says what to fix
             print(f"tvopd-trl {command}: error: {error}", file=sys.stderr)
             return 2
-        return 0
+        return status if isinstance(status, int) else 0  # `doctor` returns 1 when a check fails
     # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both fail
     # here, on bad input, before any process starts or any model loads.
     try:

@@ -192,6 +192,11 @@ class TVOPDConfig(DistillationConfig):
         default=240.0, metadata={"help": "Seconds to wait for the teacher server's health check."}
     )
 
+    def __getstate__(self):
+        # transformers pickles the config into every checkpoint's `training_args.bin` and uploads that file with
+        # `push_to_hub`: the token stays in memory only.
+        return {**self.__dict__, "hub_token": None}
+
     def __post_init__(self):
         super().__post_init__()
         launched = int(os.environ.get("WORLD_SIZE", "1"))

@@ -14,6 +14,7 @@
 
 import math
 import os
+import shutil
 import textwrap
 import warnings
 
@@ -276,6 +277,15 @@ class TVOPDTrainer(DistillationTrainer):
         section = card_section(self.args, self.state.log_history, teacher=teacher, dataset=dataset_name)
         with open(path, "w", encoding="utf-8") as f:
             f.write(insert_section(card, section))
+
+    def _save_checkpoint(self, model, trial):
+        # TRL writes the run's card before each checkpoint; a copy inside the checkpoint describes the run up to that
+        # step, so `tvopd-trl push` can publish any checkpoint with its own card.
+        super()._save_checkpoint(model, trial)
+        card = os.path.join(self.args.output_dir, "README.md")
+        checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.is_world_process_zero() and os.path.isfile(card) and os.path.isdir(checkpoint):
+            shutil.copy(card, checkpoint)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction checks

@@ -114,6 +114,25 @@ def _load_dataset(name, config, split):
     return load_dataset(name, config, split=split)
 
 
+def load_job(job_args, training_args):
+    """The job's student and teacher paths (the teacher's is None when only served), the student's tokenizer and the
+    prompt dataset."""
+    from .. import tiny
+    from ..prompts import to_prompt_dataset
+
+    served = training_args.teacher_model_server_url is not None
+    student_path = job_args.model_name_or_path or tiny.student_path()
+    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
+    teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
+    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
+    if job_args.dataset_name is None:
+        train_dataset = tiny.prompt_dataset("opd")
+    else:
+        train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
+        train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
+    return student_path, teacher_path, tokenizer, train_dataset
+
+
 class Accuracy:
     """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy."""
 
@@ -151,26 +170,15 @@ def main(job_args, training_args):
     from accelerate import PartialState
     from rich.console import Console
 
-    from .. import tiny
     from ..eval import BenchmarkEvalCallback, get_benchmark, mean_at_k, step_dir
     from ..plots import plot_run
-    from ..prompts import to_prompt_dataset
     from ..trainer import TVOPDTrainer
 
     start = time.perf_counter()
     state = PartialState()
     _check_job_arguments(job_args, training_args, state)
     served = training_args.teacher_model_server_url is not None
-    student_path = job_args.model_name_or_path or tiny.student_path()
-    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
-    teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
-    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
-
-    if job_args.dataset_name is None:
-        train_dataset = tiny.prompt_dataset("opd")
-    else:
-        train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
-        train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
+    student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
 
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
