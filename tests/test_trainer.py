@@ -191,6 +191,50 @@ def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_s
     assert scales == sorted(scales, reverse=True) and scales[-1] == 0.1
 
 
+@pytest.mark.parametrize("optim", ["sgd", "adamw_torch"])
+def test_the_scale_can_target_the_learning_rate(make_trainer, tokenizer, optim, tmp_path):
+    """Under plain SGD the loss is linear in A, so c_k on the advantages and c_k on the learning rate are one update;
+    under AdamW they are not (it normalises the gradient's scale away)."""
+
+    def train(target):
+        class TeacherBecomesStudent(TrainerCallback):  # TV = 0 from the second rollout on: c_k falls
+            def on_step_end(self, args, state, control, **kwargs):
+                trainer.teacher_model.load_state_dict(copy.deepcopy(trainer.model.state_dict()))
+
+        args = tiny_config(
+            tmp_path / target, max_steps=6, tv_ema_decay=0.5, optim=optim, weight_decay=0.0, tv_scale_target=target
+        )
+        trainer = make_trainer(
+            args,
+            model=build_model(tokenizer, seed=0),
+            teacher_model=build_model(tokenizer, seed=1),
+            teacher_processing_class=tokenizer,
+            callbacks=[TeacherBecomesStudent()],
+        )
+        trainer.train()
+        return trainer, step_logs(trainer)
+
+    by_advantage, advantage_logs = train("advantage")
+    by_learning_rate, learning_rate_logs = train("learning_rate")
+    scales = [entry["tv/scale"] for entry in learning_rate_logs]
+    assert scales == [entry["tv/scale"] for entry in advantage_logs] and scales[0] == 1.0 and scales[-1] < 0.4
+    # The logged learning rate is the schedule's, restored after each step.
+    assert [e["learning_rate"] for e in learning_rate_logs] == [e["learning_rate"] for e in advantage_logs]
+    weights = [dict(t.model.named_parameters()) for t in (by_advantage, by_learning_rate)]
+    gaps = [(weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0]]
+    if optim == "sgd":
+        assert max(gaps) < 1e-6
+    else:
+        assert max(gaps) > 1e-4
+
+
+def test_a_learning_rate_target_needs_the_tv_mode(tmp_path):
+    with pytest.raises(ValueError, match="advantage_mode='tv'"):
+        tiny_config(tmp_path, advantage_mode="sign", tv_scale_target="learning_rate")
+    with pytest.raises(ValueError, match="tv_scale_target"):
+        tiny_config(tmp_path, tv_scale_target="loss")
+
+
 def test_two_iterations_reuse_rollouts_and_the_ppo_clip_bites(make_trainer, prompts, tmp_path):
     args = tiny_config(tmp_path, num_iterations=2, max_steps=4, learning_rate=3e-2, advantage_mode="sign")
     trainer = make_trainer(args, trainer_class=RecordingTrainer)

@@ -68,6 +68,10 @@ class TVOPDConfig(DistillationConfig):
             Floor c_min of the scale. The paper's value.
         tv_eps (`float`, *optional*, defaults to `1e-5`):
             Guard epsilon of the ratio. The paper's value.
+        tv_scale_target (`str`, *optional*, defaults to `"advantage"`):
+            What c_k scales: `"advantage"` (A = c_k * sign(delta), the paper's) or `"learning_rate"` (A = sign(delta)
+            and the step's learning rate is multiplied by c_k). AdamW largely cancels a slowly changing uniform scale
+            of the loss, but not of the learning rate. Not supported under DeepSpeed, whose engine steps the optimizer.
         log_exact_tv (`bool`, *optional*, defaults to `False`):
             Whether to log `tv/exact`, the exact mean conditional TV over the vocabulary at every active state. It
             costs one extra chunked pass over both models' vocabulary projections per rollout batch.
@@ -156,6 +160,13 @@ class TVOPDConfig(DistillationConfig):
     tv_ema_decay: float = field(default=0.95, metadata={"help": "EMA retention of the TV estimate, in [0, 1)."})
     tv_min_scale: float = field(default=0.1, metadata={"help": "Floor of the TV-OPD scale, in (0, 1]."})
     tv_eps: float = field(default=1e-5, metadata={"help": "Guard epsilon of the TV ratio (> 0)."})
+    tv_scale_target: str = field(
+        default="advantage",
+        metadata={
+            "help": "What c_k scales: `advantage` (the paper's) or `learning_rate`.",
+            "choices": ["advantage", "learning_rate"],
+        },
+    )
     log_exact_tv: bool = field(
         default=False,
         metadata={"help": "Whether to log the exact mean conditional TV over the vocabulary (`tv/exact`)."},
@@ -211,6 +222,13 @@ class TVOPDConfig(DistillationConfig):
                 f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}."
             )
         validate_tv_hyperparameters(self.tv_alpha, self.tv_ema_decay, self.tv_min_scale, self.tv_eps)
+        if self.tv_scale_target not in ("advantage", "learning_rate"):
+            raise ValueError(f"tv_scale_target must be 'advantage' or 'learning_rate', got {self.tv_scale_target!r}.")
+        if self.tv_scale_target == "learning_rate" and self.advantage_mode != "tv":
+            raise ValueError(
+                f"tv_scale_target='learning_rate' applies the TV-OPD scale c_k, which advantage_mode="
+                f"{self.advantage_mode!r} does not use. Set advantage_mode='tv', or leave tv_scale_target='advantage'."
+            )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.epsilon < 0 or self.epsilon_high < 0:

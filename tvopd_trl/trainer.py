@@ -55,12 +55,16 @@ _LOGIT_POSTPROCESSING_ATTRIBUTES = (
 )
 
 
-class _AfterOptimizerStep(TrainerCallback):
+class _OptimizerStepHooks(TrainerCallback):
     """Runs the trainer's post-update bookkeeping right after `optimizer.step()`, before any `on_step_end`, logging or
-    checkpoint, so that all of them see the scheduler state of the finished step."""
+    checkpoint, so that all of them see the scheduler state of the finished step; and, with
+    `tv_scale_target="learning_rate"`, scales the step's learning rate by c_k just before it."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._scale_learning_rate()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._finish_optimizer_step()
@@ -212,6 +216,11 @@ class TVOPDTrainer(DistillationTrainer):
         if self.is_fsdp_enabled and not served:
             # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
             self.teacher_model = prepare_fsdp(self.teacher_model, self.accelerator)
+        if self.is_deepspeed_enabled and args.tv_scale_target == "learning_rate":
+            raise ValueError(
+                "tv_scale_target='learning_rate' scales the learning rate just before `optimizer.step()`, which the "
+                "DeepSpeed engine takes inside `backward`. Use tv_scale_target='advantage' under DeepSpeed."
+            )
         student = self.accelerator.unwrap_model(self.model)
         teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
         self._check_teacher(teacher, teacher_processing_class, teacher_source)
@@ -237,7 +246,7 @@ class TVOPDTrainer(DistillationTrainer):
             add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
 
         # First in line, so that every other callback's `on_optimizer_step` sees the finished step.
-        self.callback_handler.callbacks.insert(0, _AfterOptimizerStep(self))
+        self.callback_handler.callbacks.insert(0, _OptimizerStepHooks(self))
         self.add_callback(
             TVScheduleCallback(
                 alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
@@ -251,6 +260,7 @@ class TVOPDTrainer(DistillationTrainer):
         self._truncated_prompts = 0
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
         self._rollout_scale = 1.0
+        self._unscaled_learning_rates = None
         self._rollout_tv = None
         self._rollout_exact_tv = None
         self._rollout_grad_norm_finite = True
@@ -622,7 +632,7 @@ class TVOPDTrainer(DistillationTrainer):
             teacher_logps=teacher_logps,
             old_logps=old_logps,
             mask=active,
-            scale=scale,
+            scale=scale if args.tv_scale_target == "advantage" else 1.0,
             reverse_kl=inputs.get("reverse_kl"),
             clip_low=args.advantage_clip_low,
             clip_high=args.advantage_clip_high,
@@ -721,7 +731,18 @@ class TVOPDTrainer(DistillationTrainer):
                 model.zero_grad(set_to_none=True)
         return grad_norm
 
+    def _scale_learning_rate(self):
+        # AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate.
+        if self.args.tv_scale_target == "learning_rate":
+            self._unscaled_learning_rates = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] *= self._rollout_scale
+
     def _finish_optimizer_step(self):
+        if self._unscaled_learning_rates is not None:
+            for group, learning_rate in zip(self.optimizer.param_groups, self._unscaled_learning_rates, strict=True):
+                group["lr"] = learning_rate
+            self._unscaled_learning_rates = None
         device = self.accelerator.device
         parameters = self._trainable_parameters()
         squared_update = sum(

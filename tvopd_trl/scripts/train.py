@@ -82,6 +82,8 @@ class MainJobArguments:
             Evaluate the student every this many optimizer steps, for the accuracy curve. `0` disables it.
         eval_batch_size (`int`, *optional*, defaults to `512`):
             Sequences generated at once by the evaluation.
+        eval_teacher (`bool`, *optional*, defaults to `True`):
+            Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead.
     """
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
@@ -104,6 +106,7 @@ class MainJobArguments:
     eval_max_new_tokens: int = field(default=16, metadata={"help": "Evaluation generation budget."})
     eval_every_steps: int = field(default=50, metadata={"help": "Accuracy-curve interval in steps; 0 disables."})
     eval_batch_size: int = field(default=512, metadata={"help": "Sequences generated at once by the evaluation."})
+    eval_teacher: bool = field(default=True, metadata={"help": "Evaluate the teacher too."})
 
 
 def _load_dataset(name, config, split):
@@ -212,7 +215,7 @@ def main(job_args, training_args):
         print(f"{out}/eval held an earlier run's evaluations: moved to {kept}")
     if accuracy is not None and state.is_main_process:
         student = trainer.accelerator.unwrap_model(trainer.model)
-        if not served:  # a served teacher is not in this process to evaluate
+        if job_args.eval_teacher and not served:  # a served teacher is not in this process to evaluate
             teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
             teacher_dir = os.path.join(training_args.output_dir, "eval", "teacher")
             results["teacher_accuracy"], results["teacher_accuracy_greedy"] = (
@@ -264,6 +267,8 @@ def main(job_args, training_args):
             "plots": [os.path.basename(path) for path in plots],
             "job_args": asdict(job_args),
         }
+        with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
         with open(os.path.join(training_args.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         console = Console()
