@@ -135,6 +135,11 @@ def test_tables_mark_best_and_second_best():
     assert "\\textbf{Method\\_name}" in latex and "\\begin{tabular}{lc}" in latex
     by_row = format_table({"early": {"x": 0.3, "y": 0.4}}, ["x", "y"], highlight="rows", rank_second=False)
     assert "| early | 30.00 | **40.00** |" in by_row
+    lowest = format_table(rows, ["a", "b"], lower_is_better=("b",)).splitlines()
+    assert (
+        lowest[2] == "| Raw | <u>50.00 ± 1.00</u> | <u>20.00</u> |"
+        and lowest[3] == "| TV | **60.00 ± 2.00** | **10.00** |"
+    )
 
 
 def test_select_and_report_commands(tmp_path, capsys):

@@ -444,6 +444,7 @@ def test_multimodal_processors_are_refused(make_trainer, tmp_path):
     "overrides, message",
     [
         ({"advantage_mode": "bogus"}, "Unknown advantage_mode 'bogus'. Valid modes are: raw, clip"),
+        ({"beta": 0.5}, "beta=0.5 selects DistillationTrainer's JSD"),
         ({"tv_alpha": -0.1}, "tv_alpha"),
         ({"tv_ema_decay": 1.0}, "tv_ema_decay"),
         ({"tv_ema_decay": -0.5}, "tv_ema_decay"),

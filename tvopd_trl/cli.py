@@ -21,6 +21,7 @@
 - `tvopd-trl report --method NAME=RUN_DIR,... --output_dir DIR`: its tables and training curves.
 - `tvopd-trl push RUN_DIR --repo_id USER/NAME`: uploads a run's selected checkpoint, with its model card, to the Hub.
 - `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
+- `tvopd-trl study --config study.yaml`: a resumable (method x seed) grid and the paper's tables and figures.
 """
 
 import importlib
@@ -79,6 +80,7 @@ COMMANDS = {
     "report": "tables and curves from runs' evaluations",
     "push": "upload a run's selected checkpoint to the Hub",
     "doctor": "check a teacher/student pair for silent teacher-scoring bugs",
+    "study": "run a (method x seed) grid and write the paper's tables and figures",
 }
 
 
@@ -105,9 +107,9 @@ def main(argv=None) -> int:
         return 0 if not argv else 2
     command, script_argv = argv[0], argv[1:]
     if command != "train":
-        from .scripts import doctor, evaluate, push, report
+        from .scripts import doctor, evaluate, push, report, study
 
-        runners = {"eval": evaluate.run, "push": push.run, "doctor": doctor.run}
+        runners = {"eval": evaluate.run, "push": push.run, "doctor": doctor.run, "study": study.run}
         try:
             status = runners[command](script_argv) if command in runners else report.run(command, script_argv)
         except (ValueError, FileNotFoundError, push.PushError) as error:  # the message says what to fix

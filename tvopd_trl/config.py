@@ -74,7 +74,8 @@ class TVOPDConfig(DistillationConfig):
             of the loss, but not of the learning rate. Not supported under DeepSpeed, whose engine steps the optimizer.
         log_exact_tv (`bool`, *optional*, defaults to `False`):
             Whether to log `tv/exact`, the exact mean conditional TV over the vocabulary at every active state. It
-            costs one extra chunked pass over both models' vocabulary projections per rollout batch.
+            costs one extra no-grad forward of both models and a chunked pass over their vocabulary projections per
+            rollout batch (`vopd` pays this anyway).
 
         > Parameters that control the policy-gradient loss and rollout reuse
 
@@ -222,6 +223,12 @@ class TVOPDConfig(DistillationConfig):
                 f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}."
             )
         validate_tv_hyperparameters(self.tv_alpha, self.tv_ema_decay, self.tv_min_scale, self.tv_eps)
+        if self.beta != 1.0:
+            raise ValueError(
+                f"beta={self.beta} selects DistillationTrainer's JSD, which TV-OPD does not compute: its loss is the "
+                "sampled-token policy gradient chosen by `advantage_mode` (`raw` is the closest to beta=1, reverse KL). "
+                "Remove `beta`."
+            )
         if self.tv_scale_target not in ("advantage", "learning_rate"):
             raise ValueError(f"tv_scale_target must be 'advantage' or 'learning_rate', got {self.tv_scale_target!r}.")
         if self.tv_scale_target == "learning_rate" and self.advantage_mode != "tv":

@@ -28,6 +28,7 @@ PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def _classes():
     from .config import TVOPDConfig
+    from .scripts.doctor import DoctorArguments
     from .scripts.evaluate import EvalArguments
     from .scripts.train import MainJobArguments
 
@@ -40,6 +41,7 @@ def _classes():
         ),
         (MainJobArguments, "`MainJobArguments`: `tvopd-trl train` beyond the trainer", None),
         (EvalArguments, "`EvalArguments`: `tvopd-trl eval`", None),
+        (DoctorArguments, "`DoctorArguments`: `tvopd-trl doctor` beyond the options of `tvopd-trl train`", None),
     ]
 
 

@@ -49,3 +49,18 @@ def advantage_dispersion(abs_delta: torch.Tensor) -> dict[str, float]:
         "top1pct_energy": top_share(0.01),
         "top10pct_energy": top_share(0.10),
     }
+
+
+def survival_curve(abs_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empirical survival function of |delta|: sorted values v_i and the fraction of tokens with |delta| >= v_i."""
+    values = abs_delta.detach().double().flatten().sort().values
+    count = values.numel()
+    return values, (count - torch.arange(count, dtype=torch.float64)) / count
+
+
+def cumulative_energy(abs_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens sorted by |delta|, largest first: (fraction of tokens, share of sum(delta^2) they hold)."""
+    energy = abs_delta.detach().double().flatten().sort(descending=True).values.square()
+    count = energy.numel()
+    share = energy.cumsum(0) / energy.sum() if count and energy.sum() > 0 else torch.zeros(count, dtype=torch.float64)
+    return torch.arange(1, count + 1, dtype=torch.float64) / count, share

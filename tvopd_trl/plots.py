@@ -115,3 +115,31 @@ def plot_curves(curves, path, title, ylabel="accuracy (%)", scale=100.0):
     axis.set(xlabel="optimizer step", ylabel=ylabel, title=title)
     axis.legend()
     return _save(figure, os.path.dirname(path) or ".", os.path.basename(path))
+
+
+def plot_dispersion(abs_delta, path, title="Raw-advantage dispersion"):
+    """The paper's dispersion case study for one batch of |delta|: the empirical survival curve (log scale) and the
+    cumulative squared energy of the tokens sorted by |delta|. Returns `path`."""
+    from .metrics import advantage_dispersion, cumulative_energy, survival_curve
+
+    stats = advantage_dispersion(abs_delta)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    values, survival = survival_curve(abs_delta)
+    left.plot(values.numpy(), survival.numpy())
+    for key, style in (("abs_median", ":"), ("abs_p99", "--")):
+        left.axvline(stats[key], color="gray", linestyle=style, label=f"{key.removeprefix('abs_')} {stats[key]:.3g}")
+    left.set(xlabel="|delta|", ylabel="P(|delta| >= x)", yscale="log", title="Survival of |delta|")
+    left.legend()
+    fraction, share = cumulative_energy(abs_delta)
+    right.plot(100 * fraction.numpy(), share.numpy())
+    for percent, key in ((1, "top1pct_energy"), (10, "top10pct_energy")):
+        right.axvline(percent, color="gray", linestyle=":")
+        right.annotate(
+            f"top {percent}%: {stats[key]:.1%}", (percent, stats[key]), textcoords="offset points", xytext=(5, -12)
+        )
+    right.set(
+        xlabel="% of tokens, largest |delta| first", ylabel="share of sum(delta^2)", xscale="log", ylim=(0, 1.02)
+    )
+    right.set_title("Cumulative squared energy")
+    figure.suptitle(title)
+    return _save(figure, os.path.dirname(path) or ".", os.path.basename(path))

@@ -29,6 +29,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 
+ANALYSIS_KEYS = {
+    "late_window",
+    "stages",
+    "main_methods",
+    "alpha_sweep",
+    "magnitude_ablation",
+    "stage_methods",
+    "curve_methods",
+    "dynamics_methods",
+    "update_norm_methods",
+}
+
+
 @dataclass
 class Study:
     """A parsed study file. `methods` maps a folder name to `{"name": title, **recipe overrides}`."""
@@ -70,6 +83,13 @@ def load_study(path):
     for slug, method in study.methods.items():
         if not isinstance(method, dict) or "name" not in method:
             raise ValueError(f"{path}: method {slug!r} needs a `name` (its title in tables) and its recipe overrides.")
+    missing = sorted(ANALYSIS_KEYS - set(study.analysis))
+    if missing:
+        raise ValueError(f"{path}: `analysis` lacks {missing}.")
+    for key, value in study.analysis.items():
+        unknown = sorted(set(value) - set(study.methods)) if key.endswith(("methods", "sweep", "ablation")) else []
+        if unknown:
+            raise ValueError(f"{path}: analysis.{key} names methods {unknown} that `methods` does not define.")
     if not os.path.isfile(study.recipe):
         raise FileNotFoundError(f"{path}: the recipe {study.recipe} does not exist (paths are relative to the cwd).")
     return study
@@ -161,3 +181,256 @@ def run_grid(study, log=print):
             seconds[(run.method, run.seed)] = future.result()
             bar.update()
     return seconds
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Analysis: the paper's tables and figures from a finished grid
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _steps(window):
+    first, last, stride = window
+    return tuple(range(first, last + 1, stride))
+
+
+def _history_series(log_history, key):
+    return {entry["step"]: entry[key] for entry in log_history if isinstance(entry.get(key), int | float)}
+
+
+def load_results(study):
+    """`{method: [{"seed", "accuracy": {step: mean@k}, "log_history", "summary"}]}` of the finished grid."""
+    from .eval.selection import load_run
+
+    runs = grid(study)
+    unfinished = [run.directory for run in runs if not run.finished]
+    if unfinished:
+        raise ValueError(
+            f"{len(unfinished)} of {len(runs)} runs are not finished (e.g. {unfinished[0]}): run the study to the end "
+            "first (it resumes where it stopped)."
+        )
+    benchmark = study.overrides.get("eval_benchmark", "tiny")
+    results = {}
+    for run in runs:
+        with open(os.path.join(run.directory, "log_history.json")) as f:
+            log_history = json.load(f)
+        with open(os.path.join(run.directory, "summary.json")) as f:
+            summary = json.load(f)
+        accuracy = {
+            step: scores[benchmark] for step, scores in load_run(run.directory, study.overrides["eval_k"]).items()
+        }
+        results.setdefault(run.method, []).append(
+            {"seed": run.seed, "accuracy": accuracy, "log_history": log_history, "summary": summary}
+        )
+    return results
+
+
+def _aggregate(values):
+    from .eval.selection import mean_std
+
+    return mean_std(values)
+
+
+def retention_rows(study, results, methods):
+    """Per method: selected-checkpoint, final, LateMean and PeakDrop accuracy, (mean, std) across seeds."""
+    from .eval.selection import late_mean, peak_drop, select_checkpoint
+
+    window = _steps(study.analysis["late_window"])
+    benchmark = study.overrides.get("eval_benchmark", "tiny")
+    rows = {}
+    for method in methods:
+        runs = results[method]
+        selected = [
+            select_checkpoint({step: {benchmark: value} for step, value in run["accuracy"].items()}, [benchmark]).mean
+            for run in runs
+        ]
+        rows[study.methods[method]["name"]] = {
+            "selected": _aggregate(selected),
+            "final": _aggregate(run["accuracy"][max(run["accuracy"])] for run in runs),
+            "late_mean": _aggregate(late_mean(run["accuracy"], window) for run in runs),
+            "peak_drop": _aggregate(peak_drop(run["accuracy"], window) for run in runs),
+        }
+    return rows
+
+
+def stage_rows(study, results, methods):
+    from .eval.selection import stage_averages
+
+    stages = {name: tuple(bounds) for name, bounds in study.analysis["stages"].items()}
+    rows = {}
+    for method in methods:
+        per_run = [stage_averages(run["accuracy"], stages) for run in results[method]]
+        rows[study.methods[method]["name"]] = {name: _aggregate(r[name] for r in per_run) for name in stages}
+    return rows
+
+
+def magnitude_rows(study, results, methods):
+    """Per-run best-over-training and trajectory average on the steps every run evaluated (the paper's appendix)."""
+    from .eval.selection import align_runs, best_over_training, trajectory_average
+
+    labelled = {(method, i): run["accuracy"] for method in methods for i, run in enumerate(results[method])}
+    aligned = align_runs(labelled, "common")
+    rows = {}
+    for method in methods:
+        series = [aligned.runs[(method, i)] for i in range(len(results[method]))]
+        rows[study.methods[method]["name"]] = {
+            "best": _aggregate(best_over_training(s) for s in series),
+            "trajectory": _aggregate(trajectory_average(s) for s in series),
+        }
+    return rows, aligned.note
+
+
+def first_batch_abs_delta(study):
+    """|delta| of the sampled tokens of the study's first rollout batch (seed of the first run), from the untrained
+    student: the input of the dispersion case study."""
+    from trl import TrlParser
+
+    from .config import TVOPDConfig
+    from .doctor import rollouts
+    from .scripts.train import MainJobArguments, load_job
+    from .trainer import TVOPDTrainer
+
+    first = grid(study)[0]
+    flags = _flags(
+        {**first.settings, "output_dir": os.path.join(study.results_dir, ".first-batch"), "report_to": "none"}
+    )
+    job_args, training_args = TrlParser((MainJobArguments, TVOPDConfig)).parse_args_and_config(
+        args=["--config", study.recipe, *flags], fail_with_unknown_args=False
+    )[:2]
+    student, teacher, tokenizer, dataset = load_job(job_args, training_args)
+    trainer = TVOPDTrainer(
+        model=student, teacher_model=teacher, args=training_args, train_dataset=dataset, processing_class=tokenizer
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    rollout = rollouts(trainer, batch)
+    return (rollout["teacher_logps"] - rollout["old_logps"]).abs()[rollout["active"]]
+
+
+def _curves(study, results, methods, key=None):
+    """`{title: [{step: value} per seed]}`: accuracy, or a logged metric `key`."""
+    return {
+        study.methods[method]["name"]: [
+            run["accuracy"] if key is None else _history_series(run["log_history"], key) for run in results[method]
+        ]
+        for method in methods
+    }
+
+
+def analyze(study, log=print):
+    """Writes the study's tables (Markdown, and all numbers in `results.json`) and figures into `study.results_dir`."""
+    from .eval.tables import format_table
+    from .metrics import advantage_dispersion
+    from .plots import plot_curves, plot_dispersion
+
+    results = load_results(study)
+    out = study.results_dir
+    os.makedirs(out, exist_ok=True)
+    analysis = study.analysis
+    header = {
+        "selected": "Selected",
+        "final": "Final",
+        "late_mean": "LateMean",
+        "peak_drop": "PeakDrop",
+        "best": "Best over training",
+        "trajectory": "Trajectory avg.",
+    }
+    student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
+    k = study.overrides["eval_k"]
+    tables, numbers = [], {}
+
+    def add(title, rows, columns, note, **options):
+        numbers[title] = rows
+        table = format_table(rows, columns, header=header, lower_is_better=("peak_drop",), **options)
+        tables.append(f"### {title}\n\n{note}\n\n{table}")
+
+    every = list(study.methods)
+    add(
+        "Main results",
+        retention_rows(study, results, analysis["main_methods"]),
+        ["selected", "final", "late_mean", "peak_drop"],
+        f"Held-out mean@{k} (%), mean ± sample std over seeds {study.seeds}. Selected: the checkpoint with the highest "
+        "accuracy (earliest on ties), as the paper selects; PeakDrop: lower is better. Bold best, underlined second.",
+        fixed_rows={"Student (step 0)": {"selected": student, "final": student}},
+    )
+    add(
+        "Retention, every method",
+        retention_rows(study, results, every),
+        ["selected", "final", "late_mean", "peak_drop"],
+        f"LateMean over steps {list(_steps(analysis['late_window']))}; PeakDrop = max over steps - LateMean.",
+    )
+    stages = stage_rows(study, results, analysis["stage_methods"])
+    numbers["Stage-wise"] = stages
+    tables.append(
+        "### Stage-wise accuracy\n\n"
+        + ", ".join(f"{name}: steps {a}..{b}" for name, (a, b) in analysis["stages"].items())
+        + ". Bold: each method's best stage.\n\n"
+        + format_table(stages, list(analysis["stages"]), highlight="rows")
+    )
+    add(
+        "Alpha sweep",
+        retention_rows(study, results, analysis["alpha_sweep"]),
+        ["selected", "final", "late_mean", "peak_drop"],
+        "Sign-TV is alpha = 0; `c_k on lr` applies the alpha = 0.5 scale to the learning rate instead of the advantage.",
+    )
+    magnitude, note = magnitude_rows(study, results, analysis["magnitude_ablation"])
+    add("Magnitude ablation", magnitude, ["best", "trajectory"], f"Per-run values, then mean ± std; {note}.")
+
+    dynamics = analysis["dynamics_methods"]
+    exact = {
+        f"{study.methods[m]['name']}, exact": _curves(study, results, [m], "tv/exact")[study.methods[m]["name"]]
+        for m in dynamics
+    }
+    figures = {
+        "curves.png": (_curves(study, results, analysis["curve_methods"]), "Training dynamics", {}),
+        "alpha_sweep.png": (_curves(study, results, analysis["alpha_sweep"]), "Alpha sweep", {}),
+        "magnitude_ablation.png": (_curves(study, results, analysis["magnitude_ablation"]), "Magnitude ablation", {}),
+        "tv_scale.png": (
+            _curves(study, results, dynamics, "tv/scale"),
+            "tv/scale (c_k)",
+            {"ylabel": "c_k", "scale": 1},
+        ),
+        "tv_estimate.png": (
+            {**_curves(study, results, dynamics, "tv/estimate"), **exact},
+            "On-policy TV estimate and exact TV",
+            {"ylabel": "total variation", "scale": 1},
+        ),
+        "update_norm.png": (
+            _curves(study, results, analysis["update_norm_methods"], "update/norm"),
+            "update/norm = ||theta_k+1 - theta_k||",
+            {"ylabel": "update norm", "scale": 1},
+        ),
+    }
+    for name, (curves, title, options) in figures.items():
+        plot_curves(curves, os.path.join(out, name), title, **options)
+
+    abs_delta = first_batch_abs_delta(study)
+    dispersion = advantage_dispersion(abs_delta)
+    numbers["Dispersion (first batch)"] = {**dispersion, "tokens": abs_delta.numel()}
+    plot_dispersion(abs_delta, os.path.join(out, "dispersion.png"), "Raw-advantage dispersion, first rollout batch")
+    tables.append(
+        "### Dispersion of the first batch\n\n| statistic | ours | paper |\n| --- | ---: | ---: |\n"
+        + "\n".join(
+            f"| {label} | {dispersion[key]:.3g} | {paper} |"
+            for label, key, paper in (
+                ("median abs(A)", "abs_median", "0.106"),
+                ("p99 abs(A)", "abs_p99", "6.47"),
+                ("max abs(A)", "abs_max", "34.58"),
+                ("top-1% energy share", "top1pct_energy", "0.414"),
+                ("top-10% energy share", "top10pct_energy", "0.903"),
+            )
+        )
+        + f"\n\n{abs_delta.numel()} sampled tokens.\n"
+    )
+
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(
+            {
+                "aggregates": numbers,
+                "runs": {m: [{k: r[k] for k in ("seed", "accuracy")} for r in runs] for m, runs in results.items()},
+            },
+            f,
+            indent=1,
+        )
+    with open(os.path.join(out, "tables.md"), "w") as f:
+        f.write("\n".join(tables))
+    log(f"tables, figures and results.json in {out}")
+    return numbers

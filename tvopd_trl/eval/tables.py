@@ -14,9 +14,10 @@
 """Markdown and LaTeX tables in the layout of the paper's results tables: "mean ± std", bold best, underlined second."""
 
 
-def _marks(values, rank_second):
-    """`{key: "best" | "second"}` for the highest and second-highest of `values` (ties share a mark)."""
-    distinct = sorted({value for value in values.values() if value is not None}, reverse=True)
+def _marks(values, rank_second, lower_is_better=False):
+    """`{key: "best" | "second"}` for the highest and second-highest of `values` (lowest, with `lower_is_better`;
+    ties share a mark)."""
+    distinct = sorted({value for value in values.values() if value is not None}, reverse=not lower_is_better)
     marks = {}
     for key, value in values.items():
         if distinct and value == distinct[0]:
@@ -48,6 +49,7 @@ def format_table(
     fixed_rows=None,
     highlight="columns",
     rank_second=True,
+    lower_is_better=(),
     fmt="markdown",
     scale=100.0,
     digits=2,
@@ -62,13 +64,15 @@ def format_table(
         highlight (`str`): `"columns"` marks the best (bold) and second-best (underlined, if `rank_second`) mean in
             each column, as the main-results table does; `"rows"` marks within each row, as the stage-wise table does;
             `"none"` marks nothing.
+        lower_is_better (`tuple[str]`): columns whose best value is the lowest (PeakDrop), with `"columns"`.
         scale, digits: values are multiplied by `scale` (fractions to %) and printed with `digits` decimals.
     """
     header = header or {}
     marks = {label: {} for label in rows}
     if highlight == "columns":
         for column in columns:
-            best = _marks({label: _mean(row.get(column)) for label, row in rows.items()}, rank_second)
+            values = {label: _mean(row.get(column)) for label, row in rows.items()}
+            best = _marks(values, rank_second, column in lower_is_better)
             for label, mark in best.items():
                 marks[label][column] = mark
     elif highlight == "rows":

@@ -1,0 +1,82 @@
+"""`tvopd-trl study`: the smoke grid end to end (runs, resume, tables, figures), and the study file's validation."""
+
+import json
+import os
+
+import pytest
+import yaml
+
+from tvopd_trl.cli import main as cli
+from tvopd_trl.study import grid, load_study, run_grid
+
+
+SMOKE = "recipes/tiny/study_smoke.yaml"
+
+
+def _study_file(tmp_path, **changes):
+    with open(SMOKE) as f:
+        raw = yaml.safe_load(f)
+    raw |= {"output_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results")} | changes
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"epochs": 3}, r"unknown keys \['epochs'\]"),
+        ({"methods": {"raw": {"advantage_mode": "raw"}}}, "method 'raw' needs a `name`"),
+        ({"recipe": "recipes/tiny/missing.yaml"}, "does not exist"),
+    ],
+)
+def test_a_bad_study_file_is_refused(tmp_path, change, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_study(_study_file(tmp_path, **change))
+
+
+def test_analysis_must_name_defined_methods(tmp_path):
+    study = load_study(SMOKE)
+    with pytest.raises(ValueError, match=r"analysis.curve_methods names methods \['tv_lr'\]"):
+        load_study(_study_file(tmp_path, analysis={**study.analysis, "curve_methods": ["raw", "tv_lr"]}))
+    analysis = dict(study.analysis)
+    del analysis["stages"]
+    with pytest.raises(ValueError, match=r"lacks \['stages'\]"):
+        load_study(_study_file(tmp_path, analysis=analysis))
+
+
+def test_the_smoke_grid_runs_resumes_and_reports(tmp_path):
+    path = _study_file(tmp_path)
+    assert cli(["study", "--config", path]) == 0
+    study = load_study(path)
+    runs = grid(study)
+    assert len(runs) == 6 and all(run.finished for run in runs)
+    for run in runs:
+        summary = json.loads(open(os.path.join(run.directory, "summary.json")).read())
+        assert summary["steps"] == 20 and summary["advantage_mode"] == run.settings.get("advantage_mode", "tv")
+        assert "teacher_accuracy" not in summary  # `eval_teacher: false`
+
+    results = tmp_path / "results"
+    for name in ("tables.md", "results.json", "curves.png", "tv_scale.png", "update_norm.png", "dispersion.png"):
+        assert (results / name).is_file(), name
+    tables = (results / "tables.md").read_text()
+    for title in ("Main results", "Stage-wise accuracy", "Alpha sweep", "Magnitude ablation", "Dispersion"):
+        assert title in tables
+    aggregates = json.loads((results / "results.json").read_text())["aggregates"]
+    selected = aggregates["Main results"]["TV-OPD"]["selected"]
+    assert len(selected) == 2 and 0 <= selected[0] <= 1 and selected[1] is not None  # mean and std over 2 seeds
+    dispersion = aggregates["Dispersion (first batch)"]
+    assert dispersion["tokens"] > 0 and 0 < dispersion["top1pct_energy"] <= dispersion["top10pct_energy"] <= 1
+
+    # A finished grid does no work; an interrupted run is run again, and only it.
+    stamps = {run.directory: os.path.getmtime(os.path.join(run.directory, "summary.json")) for run in runs}
+    assert run_grid(study) == {}
+    os.remove(os.path.join(runs[0].directory, "summary.json"))
+    assert set(run_grid(study)) == {(runs[0].method, runs[0].seed)}
+    for run in runs[1:]:
+        assert os.path.getmtime(os.path.join(run.directory, "summary.json")) == stamps[run.directory]
+
+    # A finished run is never reused for other settings.
+    changed = load_study(_study_file(tmp_path, overrides={**study.overrides, "max_steps": 30}))
+    with pytest.raises(ValueError, match=r"run with other settings \(\['max_steps'\] differ\)"):
+        run_grid(changed)

@@ -1,0 +1,194 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The command-line reference (docs/cli.md), generated from the argument parsers of `tvopd-trl`'s commands.
+
+```bash
+python -m tvopd_trl.cli_reference   # rewrites docs/cli.md; a test fails while it is stale
+```
+
+The help text is formatted at a fixed width, without colour, so the file is the same on every machine and terminal.
+`train` and `doctor` also take every flag of `trl.DistillationConfig` and `transformers.TrainingArguments`; their
+help here lists only the options this package adds, so that the page does not change with those libraries' versions.
+"""
+
+import dataclasses
+import functools
+import os
+
+
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")
+WIDTH = 100  # columns of the help text
+LONG_HELP_LINES = 80  # help texts longer than this are folded into a <details> block
+
+# Per command: shell examples, and notes that the parser's help does not give.
+EXAMPLES = {
+    "train": (
+        [
+            "tvopd-trl train --config recipes/tiny/tvopd.yaml                      # the embedded pair, CPU",
+            "tvopd-trl train --config recipes/tiny/tvopd.yaml --seed 1 --tv_alpha 0.25",
+            "tvopd-trl train --config recipes/qwen3-8b_to_qwen3-8b-sft/tvopd.yaml --num_processes 8",
+        ],
+        [
+            "Runs `tvopd_trl.scripts.train` through `accelerate launch`. A recipe key or flag that the script does not "
+            "know (`--num_processes`, `--accelerate_config zero3`, ...) goes to `accelerate launch`; flags after "
+            "`--config` override the recipe.",
+            "`accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml` is the same job.",
+            "Every option is described in [config-reference.md](config-reference.md).",
+        ],
+    ),
+    "eval": (
+        [
+            "tvopd-trl eval --model outputs/my-run --k 16 --data_dir shared/data/benchmarks   # every checkpoint-N",
+            "tvopd-trl eval --model tvopd_trl/tiny/checkpoints/student --benchmarks tiny --k 4 --max_new_tokens 16",
+        ],
+        ["Protocol, records and folders: [evaluation.md](evaluation.md)."],
+    ),
+    "select": (
+        ["tvopd-trl select outputs/my-run outputs/my-run-seed1 --k 16"],
+        ["Writes `RUN_DIR/selection.json` for each run ([evaluation.md](evaluation.md))."],
+    ),
+    "report": (
+        [
+            'tvopd-trl report --method "TV-OPD=outputs/tvopd-s0,outputs/tvopd-s1" \\',
+            '    --method "Raw OPD=outputs/raw-s0,outputs/raw-s1" --k 16 --curve_k 4 --output_dir report',
+        ],
+        ["Tables, retention metrics and curves: [evaluation.md](evaluation.md)."],
+    ),
+    "push": (
+        [
+            "tvopd-trl push outputs/my-run --repo_id USER/qwen3-8b-tvopd                  # selected checkpoint",
+            "tvopd-trl push outputs/my-run --repo_id USER/qwen3-8b-tvopd --checkpoint outputs/my-run/checkpoint-500 \\",
+            "    --private --revision step-500",
+        ],
+        [
+            "Uploads the checkpoint named in `RUN_DIR/selection.json` (written by `tvopd-trl select`), or "
+            "`--checkpoint`, or else the final model in `RUN_DIR`, in one commit: weights, config, tokenizer and the "
+            "model card saved with it, plus a section on how it was selected. Optimizer, scheduler and RNG states stay "
+            "local. It only reads the run directory. Offline or without a write token, it fails with a message that "
+            "says so and leaves everything unchanged.",
+        ],
+    ),
+    "doctor": (
+        [
+            "tvopd-trl doctor --config recipes/tiny/tvopd.yaml                     # the embedded pair",
+            "tvopd-trl doctor --config recipes/qwen3-8b_to_qwen3-8b-sft/tvopd.yaml --doctor_prompts 16",
+            "tvopd-trl doctor --model_name_or_path STUDENT --teacher_model_name_or_path TEACHER",
+        ],
+        [
+            "Takes the recipe, or the same flags as `tvopd-trl train`, loads the pair as training would (one process) "
+            "and prints a verdict per check with a fix: tokenizers, chat templates, vocabulary size, padded "
+            "vocabulary, dtypes, the self-delta (the student scored as its own teacher must give delta = 0), the "
+            "sampling temperature (a z-test that the sampled tokens are draws from pi_old at `temperature`), the "
+            "trainer's construction warnings, and the pair's mean delta, on-policy TV estimate and exact TV. Exit "
+            "status 1 when a check fails. What each check catches: [troubleshooting.md](troubleshooting.md).",
+        ],
+    ),
+    "study": (
+        [
+            "tvopd-trl study --config recipes/tiny/study.yaml                     # every method x 3 seeds, tiny pair",
+            "tvopd-trl study --config recipes/tiny/study.yaml --analysis_only     # tables and figures only",
+        ],
+        [
+            "A study file names the main job's recipe, the overrides every run shares, the methods (each a set of "
+            "recipe overrides) and the seeds. Run folders are `<output_dir>/<method>/seed-<seed>/`; a run is finished "
+            "when it holds `summary.json`, so an interrupted grid resumes where it stopped. `recipes/tiny/study.yaml` "
+            "is the paper's comparisons at small scale.",
+        ],
+    ),
+}
+
+
+def _own_options(command):
+    """The dests of the options `tvopd-trl COMMAND` adds to TRL's and transformers' (None: the command has no others)."""
+    if command not in ("train", "doctor"):
+        return None
+    from trl import DistillationConfig
+
+    from .config import TVOPDConfig
+    from .scripts.doctor import DoctorArguments
+    from .scripts.train import MainJobArguments
+
+    inherited = {field.name for field in dataclasses.fields(DistillationConfig)}
+    own = {field.name for field in dataclasses.fields(TVOPDConfig)} - inherited
+    classes = (MainJobArguments,) + ((DoctorArguments,) if command == "doctor" else ())
+    return own | {field.name for cls in classes for field in dataclasses.fields(cls)} | {"config", "help"}
+
+
+def help_text(command):
+    """`tvopd-trl COMMAND --help`, at `WIDTH` columns and without colour, whatever the terminal; for `train` and
+    `doctor`, without the options inherited from TRL and transformers."""
+    from .cli import command_parser
+
+    parser = command_parser(command)
+    parser.formatter_class = functools.partial(parser.formatter_class, width=WIDTH)
+    if hasattr(parser, "color"):  # Python 3.14+ colours help text on a terminal
+        parser.color = False
+    own = _own_options(command)
+    if own is not None:
+        for action in [action for action in parser._actions if action.dest not in own]:
+            parser._remove_action(action)
+            for group in parser._action_groups:
+                if action in group._group_actions:
+                    group._group_actions.remove(action)
+        parser.epilog = (
+            "Plus every option of trl.DistillationConfig and transformers.TrainingArguments (see their docs and "
+            "config-reference.md)."
+        )
+    return parser.format_help().rstrip("\n")
+
+
+def render():
+    """The whole reference, as Markdown."""
+    from .cli import COMMANDS
+
+    out = [
+        "# Command-line reference",
+        "",
+        "Generated from the argument parsers by `python -m tvopd_trl.cli_reference`; do not edit by hand. "
+        "`tvopd-trl COMMAND --help` prints the same text, with `train` and `doctor` also listing every option they "
+        "inherit from TRL and transformers.",
+        "",
+        "| command | purpose |",
+        "| --- | --- |",
+    ]
+    out += [f"| [`{command}`](#tvopd-trl-{command}) | {purpose} |" for command, purpose in COMMANDS.items()]
+    for command, purpose in COMMANDS.items():
+        examples, notes = EXAMPLES.get(command, ([], []))
+        out += ["", f"## tvopd-trl {command}", "", f"{purpose[0].upper()}{purpose[1:]}.", ""]
+        if examples:
+            out += ["```bash", *examples, "```", ""]
+        for note in notes:
+            out += [note, ""]
+        text = help_text(command)
+        lines = text.count("\n") + 1
+        if lines > LONG_HELP_LINES:
+            out += [
+                "<details>",
+                f"<summary><code>tvopd-trl {command} --help</code> ({lines} lines)</summary>",
+                "",
+                "```text",
+                text,
+                "```",
+                "",
+                "</details>",
+            ]
+        else:
+            out += ["```text", text, "```"]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    with open(PATH, "w", encoding="utf-8") as f:
+        f.write(render())
+    print(f"wrote {PATH}")
