@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tvopd_trl.divergences import exact_reverse_kl_and_tv
-from tvopd_trl.metrics import advantage_dispersion
+from tvopd_trl.metrics import advantage_dispersion, cumulative_energy, survival_curve
 
 
 def test_dispersion_of_an_enumerated_set():
@@ -53,3 +53,12 @@ def test_exact_divergences_match_a_direct_computation_and_handle_masked_vocabula
     torch.testing.assert_close(reverse_kl.double(), expected_kl, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(tv.double(), 0.5 * (q - p).abs().sum(-1), rtol=1e-5, atol=1e-6)
     assert torch.isfinite(reverse_kl).all() and (tv >= 0).all() and (tv <= 1).all()
+
+
+def test_survival_curve_and_cumulative_energy_on_enumerated_values():
+    values, survival = survival_curve(torch.tensor([3.0, 1.0, 2.0]))
+    assert values.tolist() == [1.0, 2.0, 3.0] and survival.tolist() == pytest.approx([1.0, 2 / 3, 1 / 3])
+    fraction, share = cumulative_energy(torch.tensor([3.0, 1.0, 2.0]))
+    assert fraction.tolist() == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert share.tolist() == pytest.approx([9 / 14, 13 / 14, 1.0])  # 9, then 9 + 4, of 9 + 4 + 1
+    assert cumulative_energy(torch.zeros(2))[1].tolist() == [0.0, 0.0]

@@ -20,7 +20,9 @@ TRAIN_DATA = Path(__file__).resolve().parent / "data" / "train"
 DAPO, DEEPMATH = TRAIN_DATA / "dapo_math_17k_sample.jsonl", TRAIN_DATA / "deepmath_103k_sample.jsonl"
 PAIRS = {"justrl-1.5b_to_ds-distill-qwen-1.5b": DAPO, "qwen3-8b_to_qwen3-8b-sft": DEEPMATH}
 OPD_RECIPES = sorted(
-    path for path in RECIPES.glob("*/*.yaml") if path.parent.name != "accelerate_configs" and path.name != "sft.yaml"
+    path
+    for path in RECIPES.glob("*/*.yaml")
+    if path.parent.name != "accelerate_configs" and path.name != "sft.yaml" and not path.name.startswith("study")
 )
 PAIR_RECIPES = [path for path in OPD_RECIPES if path.parent.name in PAIRS]
 SFT_RECIPE = RECIPES / "qwen3-8b_to_qwen3-8b-sft" / "sft.yaml"

@@ -30,6 +30,7 @@ SPEC_METRICS = [
     "clip_ratio/high",
     "kl/reverse_estimate",
     "tv/nonfinite_tokens",
+    "tv/frozen",
     "prompts/truncated",
 ]
 
@@ -312,6 +313,7 @@ def test_nonfinite_gradient_skips_the_update_and_freezes_the_scheduler(make_trai
     trainer.train()
     logs = step_logs(trainer)
     assert math.isnan(logs[1]["grad_norm"]) and logs[1]["update/skipped"] == 1.0 and logs[1]["update/norm"] == 0.0
+    assert [entry["tv/frozen"] for entry in logs] == [0.0, 1.0, 0.0]  # the freeze is logged
     for name, value in snapshots.params[1].items():
         assert torch.equal(value, snapshots.params[0][name]), name
     assert snapshots.states[1] == snapshots.states[0]

@@ -97,7 +97,7 @@ def command_parser(command):
 def main(argv=None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    from .scripts.train import make_parser
+    from .scripts.train import check_launch_options, make_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False, description=__doc__.split("\n")[0])
@@ -122,6 +122,7 @@ def main(argv=None) -> int:
         *_, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
             script_argv, return_remaining_strings=True, separate_remaining_strings=True
         )
+        check_launch_options(config_remaining + cli_remaining)
         launch_args = _accelerate_launch_args(config_remaining, cli_remaining)
     except ValueError as error:
         print(f"tvopd-trl train: error: {error}", file=sys.stderr)

@@ -243,6 +243,10 @@ class TVOPDConfig(DistillationConfig):
         for name in ("num_iterations", "steps_per_generation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError(
+                f"max_completion_length must be >= 1, got {self.max_completion_length}: it is the rollouts' length budget."
+            )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         if self.vllm_importance_sampling_cap <= 0:

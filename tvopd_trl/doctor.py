@@ -299,7 +299,10 @@ def diagnose(job_args, training_args, num_prompts=8, max_completion_length=128, 
     student_path, teacher_path, tokenizer, dataset = load_job(job_args, training_args)
     prompts = [dataset[i] for i in range(min(num_prompts, len(dataset)))]
     checks = []
-    teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path) if teacher_path else None
+    remote_code = training_args.trust_remote_code
+    teacher_tokenizer = (
+        AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=remote_code) if teacher_path else None
+    )
     if teacher_tokenizer is None:
         checks.append(Check("tokenizers", SKIP, "served teacher without `teacher_model_name_or_path`"))
     else:
@@ -309,7 +312,9 @@ def diagnose(job_args, training_args, num_prompts=8, max_completion_length=128, 
     if not served:
         checks.append(
             check_vocab_sizes(
-                AutoConfig.from_pretrained(student_path), AutoConfig.from_pretrained(teacher_path), len(tokenizer)
+                AutoConfig.from_pretrained(student_path, trust_remote_code=remote_code),
+                AutoConfig.from_pretrained(teacher_path, trust_remote_code=remote_code),
+                len(tokenizer),
             )
         )
     if any(c.status == FAIL for c in checks if c.name in ("tokenizers", "vocabulary size")):

@@ -15,11 +15,7 @@
 
 import os
 
-import matplotlib
-
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
 
 def _series(log_history, key):
@@ -27,11 +23,17 @@ def _series(log_history, key):
     return [step for step, _ in points], [value for _, value in points]
 
 
+def _subplots(ncols=1, figsize=(6, 4)):
+    # A bare Figure, not pyplot: no backend is chosen and no global figure state is touched, so plotting from a
+    # training script never changes a notebook's inline backend.
+    figure = Figure(figsize=figsize)
+    return figure, figure.subplots(1, ncols)
+
+
 def _save(figure, output_dir, name):
     path = os.path.join(output_dir, name)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return path
 
 
@@ -49,7 +51,7 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
     """
     paths = []
 
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = _subplots()
     if accuracy_history:
         steps, accuracy = zip(*accuracy_history, strict=True)
         axis.plot(steps, accuracy, marker="o", label="student")
@@ -59,7 +61,7 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
     axis.legend()
     paths.append(_save(figure, output_dir, "accuracy.png"))
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (left, right) = _subplots(2, figsize=(10, 4))
     for key in ("tv/estimate", "tv/ema", "tv/reference"):
         left.plot(*_series(log_history, key), label=key)
     left.set(xlabel="optimizer step", ylabel="total variation", title="On-policy TV estimate")
@@ -69,12 +71,12 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
     right.legend()
     paths.append(_save(figure, output_dir, "tv.png"))
 
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = _subplots()
     axis.plot(*_series(log_history, "update/norm"))
     axis.set(xlabel="optimizer step", ylabel="||theta_k+1 - theta_k||", title="update/norm")
     paths.append(_save(figure, output_dir, "update_norm.png"))
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (left, right) = _subplots(2, figsize=(10, 4))
     for key in ("advantage/abs_median", "advantage/abs_p99", "advantage/abs_max"):
         left.plot(*_series(log_history, key), label=key.split("/")[1])
     left.set(xlabel="optimizer step", ylabel="|delta|", yscale="log", title="Raw advantage magnitude")
@@ -102,7 +104,7 @@ def plot_curves(curves, path, title, ylabel="accuracy (%)", scale=100.0):
     """
     import statistics
 
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = _subplots()
     for method, runs in curves.items():
         steps = sorted(set().union(*(run.keys() for run in runs)))
         values = [[run[step] * scale for run in runs if step in run] for step in steps]
@@ -123,7 +125,7 @@ def plot_dispersion(abs_delta, path, title="Raw-advantage dispersion"):
     from .metrics import advantage_dispersion, cumulative_energy, survival_curve
 
     stats = advantage_dispersion(abs_delta)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    figure, (left, right) = _subplots(2, figsize=(10, 4))
     values, survival = survival_curve(abs_delta)
     left.plot(values.numpy(), survival.numpy())
     for key, style in (("abs_median", ":"), ("abs_p99", "--")):

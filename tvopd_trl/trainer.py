@@ -22,6 +22,7 @@ import torch
 from datasets import IterableDataset
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+from transformers.utils import logging
 from trl import DistillationTrainer
 from trl.import_utils import is_vllm_available
 from trl.models import prepare_fsdp
@@ -37,12 +38,16 @@ from trl.trainer.utils import (
 
 from .advantages import LOG_FLOAT32_TINY, compute_advantages, token_delta
 from .callbacks import TVScheduleCallback
+from .checkpoints import last_complete_checkpoint, missing_parts
 from .config import TVOPDConfig
 from .divergences import exact_reverse_kl_and_tv
 from .metrics import advantage_dispersion
 from .model_card import card_section, insert_section
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
+
+
+logger = logging.get_logger(__name__)
 
 
 # Model-specific logit post-processing that a plain projection through the output head would miss.
@@ -161,6 +166,7 @@ class TVOPDTrainer(DistillationTrainer):
                 f"{feature} needs vLLM, which is not installed: `pip install tvopd-trl[vllm]` on the training machines, "
                 "or train without it (transformers generation, in-process teacher)."
             )
+        self._check_inputs(model, teacher_model, train_dataset, processing_class)
         self._check_batch_layout(args, train_dataset)
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
@@ -184,6 +190,12 @@ class TVOPDTrainer(DistillationTrainer):
                 f"({type(processing_class).__name__}). Pass the model's tokenizer instead."
             )
         teacher_source = teacher_model if isinstance(teacher_model, str) else None
+        if teacher_processing_class is None and teacher_source is not None and os.path.isdir(teacher_source):
+            teacher_processing_class = AutoTokenizer.from_pretrained(
+                teacher_source, trust_remote_code=args.trust_remote_code
+            )
+        if teacher_processing_class is not None and isinstance(processing_class, PreTrainedTokenizerBase):
+            check_shared_vocabulary(processing_class, teacher_processing_class)  # before any model loads
 
         super().__init__(
             model=model,
@@ -270,6 +282,23 @@ class TVOPDTrainer(DistillationTrainer):
         self._step_grad_norm = None
         self._params_before_step = None
 
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """As [`~transformers.Trainer.train`], except that `resume_from_checkpoint=True` resumes from the last
+        *complete* checkpoint (warning about newer ones a killed process left half-written), and that a given
+        checkpoint is checked for completeness before anything loads from it."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint-N in {self.args.output_dir} to resume from.")
+        elif isinstance(resume_from_checkpoint, str):
+            missing = missing_parts(resume_from_checkpoint)
+            if missing:
+                raise ValueError(
+                    f"Cannot resume from {resume_from_checkpoint}: it lacks {', '.join(missing)}. Resume with "
+                    "`resume_from_checkpoint=True` (`--resume_from_checkpoint last`) to use the last complete one."
+                )
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, with a section on the TV-OPD run: mode and hyperparameters, teacher, dataset, and the
         last `tv/scale`, `tv/estimate` and evaluation scores. `dataset_name` defaults to `self.dataset_name`."""
@@ -300,6 +329,37 @@ class TVOPDTrainer(DistillationTrainer):
     # ----------------------------------------------------------------------------------------------------------------
     # Construction checks
     # ----------------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_inputs(model, teacher_model, train_dataset, processing_class):
+        """Bad input found before any model loads: missing local paths, an empty or prompt-less dataset, chat prompts
+        without a chat template."""
+        for role, value in (("model", model), ("teacher_model", teacher_model)):
+            # A Hub id is `name` or `org/name`; anything else that does not exist here is a mistyped local path.
+            local = isinstance(value, str) and (value.startswith((".", "/", "~")) or value.count("/") > 1)
+            if local and not os.path.exists(os.path.expanduser(value)):
+                raise FileNotFoundError(
+                    f"`{role}` {value!r} does not exist: give a local checkpoint folder or a Hub id."
+                )
+        columns = getattr(train_dataset, "column_names", None)
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(
+                f"The training dataset has no `prompt` column (its columns: {', '.join(columns)}). Map yours to chat "
+                "messages in `prompt` with `tvopd_trl.prompts.to_prompt_dataset(dataset, column)` (the main job's "
+                "`dataset_prompt_column`)."
+            )
+        if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise ValueError("The training dataset is empty: it has no prompt to roll out.")
+        if (
+            isinstance(processing_class, PreTrainedTokenizerBase)
+            and processing_class.chat_template is None
+            and hasattr(train_dataset, "__getitem__")
+            and isinstance(train_dataset[0]["prompt"], list)
+        ):
+            raise ValueError(
+                "The prompts are chat messages but the tokenizer has no chat template to render them. Use the "
+                "instruct model's tokenizer, set `tokenizer.chat_template`, or give plain-text prompts."
+            )
 
     @staticmethod
     def _check_batch_layout(args, train_dataset):
@@ -341,7 +401,9 @@ class TVOPDTrainer(DistillationTrainer):
         if teacher_processing_class is None and teacher is not None:
             source = teacher_source or teacher.config._name_or_path
             if source and os.path.isdir(source):
-                teacher_processing_class = AutoTokenizer.from_pretrained(source)
+                teacher_processing_class = AutoTokenizer.from_pretrained(
+                    source, trust_remote_code=self.args.trust_remote_code
+                )
         if teacher_processing_class is None:
             compared = "nothing" if teacher is None else "only vocab_size"
             warnings.warn(
@@ -780,7 +842,13 @@ class TVOPDTrainer(DistillationTrainer):
         scheduler = self._tv_scheduler
         tv_sums = self._rollout_tv if self._rollout_tv is not None else torch.zeros(2, device=self.accelerator.device)
         u, n = self.accelerator.reduce(tv_sums, reduction="sum").tolist()
-        scheduler.update(u, n, grad_norm=None if self._rollout_grad_norm_finite else float("nan"))
+        updated = scheduler.update(u, n, grad_norm=None if self._rollout_grad_norm_finite else float("nan"))
+        metrics["tv/frozen"].append(float(not updated))
+        if n == 0:
+            logger.warning(
+                f"Step {self.state.global_step + 1}: the rollout batch has no active token (every completion is empty, "
+                "masked or non-finite). The loss is 0 and the TV scheduler keeps its state."
+            )
         metrics["tv/estimate"].append(u / n if n > 0 else float("nan"))
         if self._rollout_exact_tv is not None:
             exact_sum, count = self.accelerator.reduce(self._rollout_exact_tv, reduction="sum").tolist()

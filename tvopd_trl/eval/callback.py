@@ -14,6 +14,9 @@
 """In-training evaluation: benchmark accuracy every N optimizer steps, logged through `report_to`."""
 
 import os
+import shutil
+import time
+import warnings
 
 from transformers import TrainerCallback
 
@@ -100,9 +103,19 @@ class BenchmarkEvalCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        # Evaluations beyond the step training starts from belong to an earlier run in this output_dir.
         later = [step for step in evaluated_steps(args.output_dir, self.settings.k) if step > state.global_step]
-        if later:
+        if later and state.global_step > 0:
+            # A resume: the interrupted run evaluated past its last checkpoint, and this run redoes those steps.
+            kept = os.path.join(args.output_dir, f"eval-superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+            for step in later:
+                source = step_dir(args.output_dir, step, self.settings.k)
+                shutil.move(source, os.path.join(kept, os.path.relpath(source, os.path.join(args.output_dir, "eval"))))
+            warnings.warn(
+                f"Resuming from step {state.global_step}: the interrupted run's mean@{self.settings.k} evaluations of "
+                f"steps {later} will be redone; the old ones were moved to {kept}.",
+                stacklevel=2,
+            )
+        elif later:  # a fresh run in an output_dir that holds another run's evaluations
             raise ValueError(
                 f"{args.output_dir} holds mean@{self.settings.k} evaluations of steps {later}, beyond step "
                 f"{state.global_step} where this run starts: they belong to an earlier run. Use a fresh output_dir, "

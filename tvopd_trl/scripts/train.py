@@ -127,7 +127,8 @@ def load_job(job_args, training_args):
     student_path = job_args.model_name_or_path or tiny.student_path()
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
     teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
-    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left")
+    remote_code = training_args.trust_remote_code  # False unless the user sets it
+    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left", trust_remote_code=remote_code)
     if job_args.dataset_name is None:
         train_dataset = tiny.prompt_dataset("opd")
     else:
@@ -191,7 +192,11 @@ def main(job_args, training_args):
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
-        teacher_processing_class=AutoTokenizer.from_pretrained(teacher_path) if teacher_path else None,
+        teacher_processing_class=(
+            AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=training_args.trust_remote_code)
+            if teacher_path
+            else None
+        ),
     )
     trainer.dataset_name = job_args.dataset_name  # for the model card
     curve = None
@@ -227,7 +232,7 @@ def main(job_args, training_args):
         )
         results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
     train_start = time.perf_counter()
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
     train_seconds = time.perf_counter() - train_start
     trainer.save_model(training_args.output_dir)
 
@@ -276,6 +281,11 @@ def main(job_args, training_args):
         console.print(_summary_footer(summary, training_args.output_dir))
     trainer.accelerator.wait_for_everyone()
     return trainer
+
+
+def _resume_argument(value):
+    """`--resume_from_checkpoint last` (or `true`) resumes from the last complete checkpoint; a path, from that one."""
+    return True if value is not None and value.lower() in ("last", "true") else value
 
 
 def _check_job_arguments(job_args, training_args, state):
@@ -356,9 +366,32 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
     return TrlParser(dataclass_types, prog=prog)
 
 
+def check_launch_options(remaining):
+    """Recipe keys and flags the script does not know must be `accelerate launch` options (`tvopd-trl train` passes
+    those on); anything else is a typo, refused before any model loads instead of being silently ignored."""
+    import difflib
+
+    from accelerate.commands.launch import launch_command_parser
+
+    launch = {option for action in launch_command_parser()._actions for option in action.option_strings}
+    unknown = [flag.split("=")[0] for flag in remaining if flag.startswith("--")]
+    unknown = [flag for flag in unknown if flag not in launch and flag != "--accelerate_config"]
+    if unknown:
+        ours = [option for action in make_parser()._actions for option in action.option_strings]
+        hints = [
+            f"{flag} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(flag, ours, n=1)) else flag
+            for flag in unknown
+        ]
+        raise ValueError(
+            f"Unknown option{'s' * (len(unknown) > 1)} {', '.join(hints)}: neither a training option "
+            "(docs/config-reference.md) nor an `accelerate launch` option. Fix the recipe key or the flag."
+        )
+
+
 def run(args=None):
-    # Recipe keys the script does not know are `accelerate launch` settings (see `tvopd_trl.cli`): not an error here.
-    job_args, training_args = make_parser().parse_args_and_config(args=args, fail_with_unknown_args=False)[:2]
+    *parsed, remaining = make_parser().parse_args_and_config(args=args, return_remaining_strings=True)
+    check_launch_options(remaining)  # `accelerate launch` settings in a recipe are for `tvopd-trl train`
+    job_args, training_args = parsed[:2]
     return main(job_args, training_args)
 
 
