@@ -77,6 +77,7 @@ def test_notebook_is_committed_without_outputs(path):
     assert "widgets" not in notebook.metadata, f"{path.name} stores widget state: {STRIP_HINT}"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path):

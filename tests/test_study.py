@@ -45,6 +45,7 @@ def test_analysis_must_name_defined_methods(tmp_path):
         load_study(_study_file(tmp_path, analysis=analysis))
 
 
+@pytest.mark.long
 def test_the_smoke_grid_runs_resumes_and_reports(tmp_path):
     path = _study_file(tmp_path)
     assert cli(["study", "--config", path]) == 0

@@ -31,6 +31,7 @@ def _steps(output_dir):
     return {entry["step"]: {key: entry.get(key) for key in TV_KEYS} for entry in history if "tv/scale" in entry}
 
 
+@pytest.mark.long
 def test_a_killed_run_resumes_onto_the_uninterrupted_trajectory(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
