@@ -807,8 +807,9 @@ class TVOPDTrainer(DistillationTrainer):
             self._unscaled_learning_rates = None
         device = self.accelerator.device
         parameters = self._trainable_parameters()
+        # In place: the snapshot is dropped right after, and no parameter-sized temporaries join the live gradients.
         squared_update = sum(
-            (self._local_tensor(p).detach().float() - before.float()).square().sum()
+            torch.linalg.vector_norm(before.sub_(self._local_tensor(p).detach()), dtype=torch.float32).square()
             for p, before in zip(parameters, self._params_before_step, strict=True)
         )
         squared_update = torch.as_tensor(squared_update, device=device, dtype=torch.float32)
