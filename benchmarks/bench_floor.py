@@ -262,25 +262,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_out=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--trainers", default="tv", help="comma-separated trainers compared with the floor")
-    parser.add_argument("--vocab", type=int, nargs="+", help="override the grid's vocabulary sizes")
-    parser.add_argument("--hidden", type=int, nargs="+", help="override the grid's hidden sizes")
-    parser.add_argument("--completion", type=int, nargs="+", help="override the grid's completion lengths")
-    parser.add_argument("--rounds", type=int, help="floor / trainer rounds per grid point")
-    parser.add_argument("--steps", type=int, help="steps per run (the first is dropped as warm-up)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
+    common.add_grid_arguments(parser, "floor / trainer rounds per grid point")
     cli = parser.parse_args()
-    config = dict(QUICK if cli.quick else FULL)
-    for key, flag in (("vocabs", "vocab"), ("hiddens", "hidden"), ("completions", "completion")):
-        config[key] = getattr(cli, flag) or config[key]
-    config["rounds"] = cli.rounds or config["rounds"]
-    config["steps"] = cli.steps or config["steps"]
+    config = common.grid_config(cli, QUICK, FULL)
     trainers = cli.trainers.split(",")
-    out = os.path.join(cli.out, "quick") if cli.quick else cli.out
-    cache_dir = cli.cache_dir or common.scratch_dir("rollouts")
-
-    started = time.perf_counter()
-    info = common.machine_info()
-    print("## Machine\n\n" + common.machine_markdown(info) + "\n", flush=True)
+    out, cache_dir, started, info = common.start(cli)
     shapes = common.grid(config["vocabs"], config["hiddens"], config["completions"], config["prompt"], config["batch"])
     results = []
     for shape in shapes:
@@ -291,11 +277,11 @@ def main():
                 "time", shape, trainers=trainers, rounds=config["rounds"], steps=config["steps"], cache_dir=cache_dir
             ),
         )
-        memory = {}
-        if not cli.no_memory:
-            for kind in ["floor", *trainers]:
-                print(f"[bench_floor] {shape.name}: memory of {kind}", file=sys.stderr, flush=True)
-                memory[kind] = common.run_worker(__file__, common.job("memory", shape, kind=kind, cache_dir=cache_dir))
+        memory = (
+            {}
+            if cli.no_memory
+            else common.measure_memories(__file__, shape, ["floor", *trainers], cache_dir, "bench_floor")
+        )
         results.append({"shape": asdict(shape), "timing": timing, "memory": memory})
 
     label = " (--quick validation configuration)" if cli.quick else ""

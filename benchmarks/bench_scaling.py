@@ -146,12 +146,7 @@ def main():
     base, steps = config["base"], cli.steps or config["steps"]
     sweeps = {axis: values for axis, values in config["sweeps"].items() if axis in cli.axes.split(",")}
     trainers = cli.trainers.split(",")
-    out = os.path.join(cli.out, "quick") if cli.quick else cli.out
-    cache_dir = cli.cache_dir or common.scratch_dir("rollouts")
-
-    started = time.perf_counter()
-    info = common.machine_info()
-    print("## Machine\n\n" + common.machine_markdown(info) + "\n", flush=True)
+    out, cache_dir, started, info = common.start(cli)
     done, results = {}, []
     for axis, values in sweeps.items():
         for value in values:

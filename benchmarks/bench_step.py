@@ -201,25 +201,11 @@ def main():
     parser.add_argument(
         "--trainers", default=",".join(common.TRAINERS), help="comma-separated subset of tv,raw,distill,gkd"
     )
-    parser.add_argument("--vocab", type=int, nargs="+", help="override the grid's vocabulary sizes")
-    parser.add_argument("--hidden", type=int, nargs="+", help="override the grid's hidden sizes")
-    parser.add_argument("--completion", type=int, nargs="+", help="override the grid's completion lengths")
-    parser.add_argument("--rounds", type=int, help="A B A B rounds per grid point")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (the first is dropped as warm-up)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-trainer memory processes")
+    common.add_grid_arguments(parser, "A B A B rounds per grid point")
     cli = parser.parse_args()
-    config = dict(QUICK if cli.quick else FULL)
-    for key, flag in (("vocabs", "vocab"), ("hiddens", "hidden"), ("completions", "completion")):
-        config[key] = getattr(cli, flag) or config[key]
-    config["rounds"] = cli.rounds or config["rounds"]
-    config["steps"] = cli.steps or config["steps"]
+    config = common.grid_config(cli, QUICK, FULL)
     trainers = cli.trainers.split(",")
-    out = os.path.join(cli.out, "quick") if cli.quick else cli.out
-    cache_dir = cli.cache_dir or common.scratch_dir("rollouts")
-
-    started = time.perf_counter()
-    info = common.machine_info()
-    print("## Machine\n\n" + common.machine_markdown(info) + "\n", flush=True)
+    out, cache_dir, started, info = common.start(cli)
     shapes = common.grid(config["vocabs"], config["hiddens"], config["completions"], config["prompt"], config["batch"])
     results = []
     for shape in shapes:
@@ -242,11 +228,7 @@ def main():
         if "error" in timing and os.path.exists(partial):  # keep the runs that finished before the failure
             with open(partial) as f:
                 timing = {**json.load(f), "error": timing["error"]}
-        memory = {}
-        if not cli.no_memory:
-            for kind in trainers:
-                print(f"[bench_step] {shape.name}: memory of {kind}", file=sys.stderr, flush=True)
-                memory[kind] = common.run_worker(__file__, common.job("memory", shape, kind=kind, cache_dir=cache_dir))
+        memory = {} if cli.no_memory else common.measure_memories(__file__, shape, trainers, cache_dir, "bench_step")
         results.append({"shape": asdict(shape), "timing": timing, "memory": memory})
 
     label = " (--quick validation configuration)" if cli.quick else ""

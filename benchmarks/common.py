@@ -488,3 +488,42 @@ def add_common_arguments(parser, default_out):
     parser.add_argument("--quick", action="store_true", help="the small validation configuration (about a minute)")
     parser.add_argument("--out", default=default_out, help="folder for the JSON, Markdown and PNG outputs")
     parser.add_argument("--cache-dir", default=None, help="folder of the fixed rollouts (default: a new temp folder)")
+
+
+def add_grid_arguments(parser, rounds_help):
+    """The grid overrides that `bench_step.py` and `bench_floor.py` share."""
+    parser.add_argument("--vocab", type=int, nargs="+", help="override the grid's vocabulary sizes")
+    parser.add_argument("--hidden", type=int, nargs="+", help="override the grid's hidden sizes")
+    parser.add_argument("--completion", type=int, nargs="+", help="override the grid's completion lengths")
+    parser.add_argument("--rounds", type=int, help=rounds_help)
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (the first is dropped as warm-up)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-trainer memory processes")
+
+
+def grid_config(cli, quick, full):
+    """The script's configuration (`quick` or `full`) with the command line's grid overrides applied."""
+    config = dict(quick if cli.quick else full)
+    for key, flag in (("vocabs", "vocab"), ("hiddens", "hidden"), ("completions", "completion")):
+        config[key] = getattr(cli, flag) or config[key]
+    config["rounds"] = cli.rounds or config["rounds"]
+    config["steps"] = cli.steps or config["steps"]
+    return config
+
+
+def start(cli):
+    """(output folder, rollout cache folder, start time, machine info), after printing the machine."""
+    out = os.path.join(cli.out, "quick") if cli.quick else cli.out
+    cache_dir = cli.cache_dir or scratch_dir("rollouts")
+    started = time.perf_counter()
+    info = machine_info()
+    print("## Machine\n\n" + machine_markdown(info) + "\n", flush=True)
+    return out, cache_dir, started, info
+
+
+def measure_memories(script, shape, kinds, cache_dir, tag):
+    """Peak memory of each of `kinds` at `shape`, each in its own worker process of `script`."""
+    memory = {}
+    for kind in kinds:
+        print(f"[{tag}] {shape.name}: memory of {kind}", file=sys.stderr, flush=True)
+        memory[kind] = run_worker(script, job("memory", shape, kind=kind, cache_dir=cache_dir))
+    return memory

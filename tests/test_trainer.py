@@ -161,23 +161,34 @@ def test_tv_estimate_pools_tokens_over_micro_batches(make_trainer, tmp_path):
         assert logs[step]["tv/estimate"] == pytest.approx(u / n, rel=1e-5)
 
 
-def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_student(
-    make_trainer, tokenizer, tmp_path
-):
+class TeacherBecomesStudent(TrainerCallback):
+    """After every step from the first on, the teacher is a copy of the student: the next rollout has TV = 0."""
 
-    class TeacherBecomesStudent(TrainerCallback):
-        # After every step from the first on, the teacher is a copy of the student: the next rollout has TV = 0.
-        def on_step_end(self, args, state, control, **kwargs):
-            trainer.teacher_model.load_state_dict(copy.deepcopy(trainer.model.state_dict()))
+    trainer = None
 
-    args = tiny_config(tmp_path, max_steps=10, tv_ema_decay=0.5, tv_min_scale=0.1, learning_rate=1e-3)
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.teacher_model.load_state_dict(copy.deepcopy(self.trainer.model.state_dict()))
+
+
+def converging_trainer(make_trainer, tokenizer, args):
+    """A trainer on two different random models whose teacher becomes the student after the first step."""
+    callback = TeacherBecomesStudent()
     trainer = make_trainer(
         args,
         model=build_model(tokenizer, seed=0),
         teacher_model=build_model(tokenizer, seed=1),
         teacher_processing_class=tokenizer,
-        callbacks=[TeacherBecomesStudent()],
+        callbacks=[callback],
     )
+    callback.trainer = trainer
+    return trainer
+
+
+def test_scale_starts_at_one_and_falls_at_the_ema_rate_once_the_teacher_is_the_student(
+    make_trainer, tokenizer, tmp_path
+):
+    args = tiny_config(tmp_path, max_steps=10, tv_ema_decay=0.5, tv_min_scale=0.1, learning_rate=1e-3)
+    trainer = converging_trainer(make_trainer, tokenizer, args)
     trainer.train()
     logs = step_logs(trainer)
     reference = logs[0]["tv/estimate"]
@@ -197,21 +208,11 @@ def test_the_scale_can_target_the_learning_rate(make_trainer, tokenizer, optim, 
     """Under plain SGD the loss is linear in A, so c_k on the advantages and c_k on the learning rate are one update;
     under AdamW they are not (it normalises the gradient's scale away)."""
 
-    def train(target):
-        class TeacherBecomesStudent(TrainerCallback):  # TV = 0 from the second rollout on: c_k falls
-            def on_step_end(self, args, state, control, **kwargs):
-                trainer.teacher_model.load_state_dict(copy.deepcopy(trainer.model.state_dict()))
-
+    def train(target):  # TV = 0 from the second rollout on: c_k falls
         args = tiny_config(
             tmp_path / target, max_steps=6, tv_ema_decay=0.5, optim=optim, weight_decay=0.0, tv_scale_target=target
         )
-        trainer = make_trainer(
-            args,
-            model=build_model(tokenizer, seed=0),
-            teacher_model=build_model(tokenizer, seed=1),
-            teacher_processing_class=tokenizer,
-            callbacks=[TeacherBecomesStudent()],
-        )
+        trainer = converging_trainer(make_trainer, tokenizer, args)
         trainer.train()
         return trainer, step_logs(trainer)
 

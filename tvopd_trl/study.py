@@ -282,18 +282,15 @@ def magnitude_rows(study, results, methods):
 def first_batch_abs_delta(study):
     """|delta| of the sampled tokens of the study's first rollout batch (seed of the first run), from the untrained
     student: the input of the dispersion case study."""
-    from trl import TrlParser
-
-    from .config import TVOPDConfig
     from .doctor import rollouts
-    from .scripts.train import MainJobArguments, load_job
+    from .scripts.train import load_job, make_parser
     from .trainer import TVOPDTrainer
 
     first = grid(study)[0]
     flags = _flags(
         {**first.settings, "output_dir": os.path.join(study.results_dir, ".first-batch"), "report_to": "none"}
     )
-    job_args, training_args = TrlParser((MainJobArguments, TVOPDConfig)).parse_args_and_config(
+    job_args, training_args = make_parser().parse_args_and_config(
         args=["--config", study.recipe, *flags], fail_with_unknown_args=False
     )[:2]
     student, teacher, tokenizer, dataset = load_job(job_args, training_args)

@@ -67,10 +67,12 @@ def run(argv=None):
     from rich.table import Table
 
     from ..doctor import FAIL, diagnose
+    from .train import check_launch_options
 
-    doctor_args, job_args, training_args = make_parser().parse_args_and_config(
-        args=argv, fail_with_unknown_args=False
-    )[:3]
+    doctor_args, job_args, training_args, remaining = make_parser().parse_args_and_config(
+        args=argv, return_remaining_strings=True
+    )
+    check_launch_options(remaining)  # a recipe's `accelerate launch` keys are fine; a typo is not
     checks = diagnose(
         job_args,
         training_args,
