@@ -58,7 +58,15 @@ def test_the_smoke_grid_runs_resumes_and_reports(tmp_path):
         assert "teacher_accuracy" not in summary  # `eval_teacher: false`
 
     results = tmp_path / "results"
-    for name in ("tables.md", "results.json", "curves.png", "tv_scale.png", "update_norm.png", "dispersion.png"):
+    for name in (
+        "README.md",
+        "tables.md",
+        "results.json",
+        "curves.png",
+        "tv_scale.png",
+        "update_norm.png",
+        "dispersion.png",
+    ):
         assert (results / name).is_file(), name
     tables = (results / "tables.md").read_text()
     for title in ("Main results", "Stage-wise accuracy", "Alpha sweep", "Magnitude ablation", "Dispersion"):
