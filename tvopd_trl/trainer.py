@@ -166,7 +166,7 @@ class TVOPDTrainer(DistillationTrainer):
                 f"{feature} needs vLLM, which is not installed: `pip install tvopd-trl[vllm]` on the training machines, "
                 "or train without it (transformers generation, in-process teacher)."
             )
-        self._check_inputs(model, teacher_model, train_dataset, processing_class)
+        self._check_dataset(train_dataset, processing_class)
         self._check_batch_layout(args, train_dataset)
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
@@ -189,6 +189,7 @@ class TVOPDTrainer(DistillationTrainer):
                 "TVOPDTrainer is text-only, but the processing class is a multimodal processor "
                 f"({type(processing_class).__name__}). Pass the model's tokenizer instead."
             )
+        self._check_paths(model, teacher_model)
         teacher_source = teacher_model if isinstance(teacher_model, str) else None
         if teacher_processing_class is None and teacher_source is not None and os.path.isdir(teacher_source):
             teacher_processing_class = AutoTokenizer.from_pretrained(
@@ -331,9 +332,7 @@ class TVOPDTrainer(DistillationTrainer):
     # ----------------------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_inputs(model, teacher_model, train_dataset, processing_class):
-        """Bad input found before any model loads: missing local paths, an empty or prompt-less dataset, chat prompts
-        without a chat template."""
+    def _check_paths(model, teacher_model):
         for role, value in (("model", model), ("teacher_model", teacher_model)):
             # A Hub id is `name` or `org/name`; anything else that does not exist here is a mistyped local path.
             local = isinstance(value, str) and (value.startswith((".", "/", "~")) or value.count("/") > 1)
@@ -341,6 +340,10 @@ class TVOPDTrainer(DistillationTrainer):
                 raise FileNotFoundError(
                     f"`{role}` {value!r} does not exist: give a local checkpoint folder or a Hub id."
                 )
+
+    @staticmethod
+    def _check_dataset(train_dataset, processing_class):
+        """An empty or prompt-less dataset, or chat prompts without a chat template, found before any model loads."""
         columns = getattr(train_dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
             raise ValueError(
