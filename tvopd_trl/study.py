@@ -280,27 +280,28 @@ def magnitude_rows(study, results, methods):
     return rows, aligned.note
 
 
-def first_batch_abs_delta(study):
-    """|delta| of the sampled tokens of the study's first rollout batch (seed of the first run), from the untrained
-    student: the input of the dispersion case study."""
+def first_batch_delta(study):
+    """delta of the sampled tokens of the study's first rollout batch (the first run's settings), from the untrained
+    student, with -inf clamped as the advantages clamp it: the input of the dispersion case study."""
+    import tempfile
+
+    from .advantages import LOG_FLOAT32_TINY, token_delta
     from .doctor import rollouts
     from .scripts.train import load_job, make_parser
     from .trainer import TVOPDTrainer
 
-    first = grid(study)[0]
-    flags = _flags(
-        {**first.settings, "output_dir": os.path.join(study.results_dir, ".first-batch"), "report_to": "none"}
-    )
-    job_args, training_args = make_parser().parse_args_and_config(
-        args=["--config", study.recipe, *flags], fail_with_unknown_args=False
-    )[:2]
-    student, teacher, tokenizer, dataset = load_job(job_args, training_args)
-    trainer = TVOPDTrainer(
-        model=student, teacher_model=teacher, args=training_args, train_dataset=dataset, processing_class=tokenizer
-    )
-    batch = next(iter(trainer.get_train_dataloader()))
-    rollout = rollouts(trainer, batch)
-    return (rollout["teacher_logps"] - rollout["old_logps"]).abs()[rollout["active"]]
+    with tempfile.TemporaryDirectory() as output_dir:
+        flags = _flags({**grid(study)[0].settings, "output_dir": output_dir, "report_to": "none"})
+        job_args, training_args = make_parser().parse_args_and_config(
+            args=["--config", study.recipe, *flags], fail_with_unknown_args=False
+        )[:2]
+        student, teacher, tokenizer, dataset = load_job(job_args, training_args)
+        trainer = TVOPDTrainer(
+            model=student, teacher_model=teacher, args=training_args, train_dataset=dataset, processing_class=tokenizer
+        )
+        rollout = rollouts(trainer, next(iter(trainer.get_train_dataloader())))
+    delta, active = token_delta(rollout["teacher_logps"], rollout["old_logps"], rollout["active"])
+    return delta.clamp(min=LOG_FLOAT32_TINY)[active]
 
 
 def _curves(study, results, methods, key=None):
@@ -400,8 +401,9 @@ def analyze(study, log=print):
     for name, (curves, title, options) in figures.items():
         plot_curves(curves, os.path.join(out, name), title, **options)
 
-    abs_delta = first_batch_abs_delta(study)
-    dispersion = advantage_dispersion(abs_delta)
+    delta = first_batch_delta(study)
+    abs_delta = delta.abs()
+    dispersion = {**advantage_dispersion(abs_delta), "pooled_std": delta.double().std().item()}
     numbers["Dispersion (first batch)"] = {**dispersion, "tokens": abs_delta.numel()}
     plot_dispersion(abs_delta, os.path.join(out, "dispersion.png"), "Raw-advantage dispersion, first rollout batch")
     tables.append(
@@ -409,6 +411,7 @@ def analyze(study, log=print):
         + "\n".join(
             f"| {label} | {dispersion[key]:.3g} | {paper} |"
             for label, key, paper in (
+                ("pooled std of A", "pooled_std", "1.34"),
                 ("median abs(A)", "abs_median", "0.106"),
                 ("p99 abs(A)", "abs_p99", "6.47"),
                 ("max abs(A)", "abs_max", "34.58"),
