@@ -12,11 +12,11 @@ doing only the work that sampled-token OPD cannot avoid, once:
    logp.detach() (the on-policy policy gradient of Raw OPD), and one backward;
 3. one AdamW step (the class and arguments `transformers.Trainer` would use) and `zero_grad`.
 
-The LM-head log-probabilities use a chunked log-softmax, as TRL's fused head does: the vocabulary is cut in chunks of
-32,768 columns; going forward each chunk's logits are folded into a running logsumexp and the sampled token's logit is
-gathered; going backward each chunk's logits are recomputed to form d logp / d logits = 1[target] - softmax. Only the
-B x T completion positions are projected (the prompt's positions predict no sampled token). No gradient clipping, no
-metrics, no trainer.
+The LM-head log-probabilities use the chunked log-softmax `TVOPDTrainer` runs on CPU
+(`tvopd_trl.chunked_logprob`): the vocabulary is cut in chunks of 32,768 columns; going forward each chunk's logits are
+folded into a running logsumexp and the sampled token's logit is gathered; going backward each chunk's logits are
+recomputed to form d logp / d logits = 1[target] - softmax. Only the B x T completion positions are projected (the
+prompt's positions predict no sampled token). No gradient clipping, no metrics, no trainer.
 
 Each grid point runs in one fresh process that alternates the floor and each trainer (floor, tv, floor, tv, ...),
 `--steps` steps each per round, the first dropped as warm-up; memory is measured for each in its own fresh process
@@ -25,7 +25,6 @@ Prints the machine and a Markdown table; writes bench_floor.{json,md,png} to `--
 """
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -35,10 +34,11 @@ from dataclasses import asdict
 import common
 import torch
 
+from tvopd_trl.chunked_logprob import sampled_token_logprobs
+
 
 FULL = dict(vocabs=[32000, 151936], hiddens=[64, 256], completions=[128, 512], prompt=64, batch=4, rounds=4, steps=3)
 QUICK = dict(vocabs=[1024, 4096], hiddens=[32], completions=[16], prompt=8, batch=4, rounds=2, steps=2)
-VOCAB_CHUNK = 32768  # TRL's fused head and chunked divergence use the same width
 MEMORY_STEPS = 2
 WARMUP_STEPS = 1
 
@@ -48,50 +48,12 @@ WARMUP_STEPS = 1
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-class ChunkedSampledLogProb(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T)[row, target[row]], one vocabulary chunk of logits at a time."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
-        n = hidden.size(0)
-        logsumexp = hidden.new_full((n,), -math.inf)
-        target_logit = hidden.new_zeros(n)
-        for start in range(0, weight.size(0), chunk):
-            logits = hidden @ weight[start : start + chunk].T
-            logsumexp = torch.logaddexp(logsumexp, logits.logsumexp(dim=-1))
-            local = targets - start
-            inside = (local >= 0) & (local < logits.size(1))
-            gathered = logits.gather(1, local.clamp(0, logits.size(1) - 1)[:, None])[:, 0]
-            target_logit = torch.where(inside, gathered, target_logit)
-        ctx.save_for_backward(hidden, weight, targets, logsumexp)
-        ctx.chunk = chunk
-        return target_logit - logsumexp
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, targets, logsumexp = ctx.saved_tensors
-        grad_hidden = torch.zeros_like(hidden)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
-        rows = torch.arange(hidden.size(0))
-        for start in range(0, weight.size(0), ctx.chunk):
-            chunk_weight = weight[start : start + ctx.chunk]
-            # d logp / d logits = 1[target] - softmax, times the incoming gradient
-            grad_logits = (hidden @ chunk_weight.T).sub_(logsumexp[:, None]).exp_().mul_(-grad[:, None])
-            local = targets - start
-            inside = (local >= 0) & (local < chunk_weight.size(0))
-            grad_logits[rows[inside], local[inside]] += grad[inside]
-            grad_hidden.addmm_(grad_logits, chunk_weight)
-            if grad_weight is not None:
-                grad_weight[start : start + ctx.chunk] = grad_logits.T @ hidden
-        return grad_hidden, grad_weight, None, None
-
-
 def completion_logps(model, input_ids, prompt_length):
     """Float32 log-probabilities of the completion tokens `input_ids[:, prompt_length:]` under `model`, flattened."""
     hidden = model.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
     hidden = hidden.last_hidden_state[:, prompt_length - 1 : -1]  # the positions that predict the completion
     targets = input_ids[:, prompt_length:].reshape(-1)
-    return ChunkedSampledLogProb.apply(hidden.reshape(-1, hidden.size(-1)), model.lm_head.weight, targets, VOCAB_CHUNK)
+    return sampled_token_logprobs(hidden.reshape(-1, hidden.size(-1)), model.lm_head.weight, None, targets)
 
 
 class Floor:

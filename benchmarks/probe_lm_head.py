@@ -6,11 +6,12 @@
 Kernels, each forward then backward of sum(output) on random float32 inputs (hidden states N(0, 1), head weights
 N(0, 0.02)):
 
-    trl_fused_all        TRL's fused LM head (`ChunkedLogProbFunction`, what `TVOPDTrainer._sampled_token_logps`
-                         runs through `fused_lm_head=True`) as it runs without Triton (CPU): every one of the
-                         B x (P + T - 1) positions is projected, prompt positions included
+    trl_fused_all        TRL's fused LM head (`ChunkedLogProbFunction` through `fused_lm_head=True`) as it runs
+                         without Triton (CPU): every one of the B x (P + T - 1) positions is projected, prompt
+                         positions included
     trl_fused_completion the same kernel on the B x T completion positions only (what its Triton path projects)
-    lean_chunked         bench_floor.py's chunked logsumexp + gather on the B x T completion positions
+    lean_chunked         `tvopd_trl.chunked_logprob` (what `TVOPDTrainer._sampled_token_logps` runs on CPU, and
+                         bench_floor.py's head) on the B x T completion positions
     trl_divergence       TRL's `ChunkedDivergenceFunction` (DistillationTrainer's loss), beta = 1, on B x T positions,
                          the teacher's hidden states and head without gradient
 
@@ -25,7 +26,8 @@ import time
 
 import common
 import torch
-from bench_floor import ChunkedSampledLogProb
+
+from tvopd_trl.chunked_logprob import ChunkedSampledLogProb
 
 
 FULL = dict(hidden=256, vocab=32768, batch=4, prompt=64, completion=512, repeats=2)
@@ -46,7 +48,7 @@ def kernels(hidden_size, vocab):
         )[0]
 
     def lean(hidden, targets):
-        return ChunkedSampledLogProb.apply(hidden, student_weight, targets, CHUNK)
+        return ChunkedSampledLogProb.apply(hidden, student_weight, None, targets, 1.0, CHUNK)
 
     def divergence(hidden, targets):
         teacher_hidden = torch.randn_like(hidden.detach())

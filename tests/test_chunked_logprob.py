@@ -1,0 +1,82 @@
+"""The CPU LM-head kernel: exact against log_softmax, and the trainer's choice between it and TRL's fused head."""
+
+import pytest
+import torch
+
+from tvopd_trl.chunked_logprob import ChunkedSampledLogProb, sampled_token_logprobs
+
+from .conftest import tiny_config
+
+
+def reference(hidden, weight, bias, targets, temperature):
+    logits = hidden @ weight.T + (0 if bias is None else bias)
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [5, 7, 64])  # several chunks with a ragged last one, and a single chunk
+def test_matches_log_softmax_and_its_gradients_in_float64(chunk_size, with_bias):
+    generator = torch.Generator().manual_seed(0)
+    vocab, hidden_size, rows = 23, 6, 9
+    hidden = torch.randn(rows, hidden_size, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(vocab, generator=generator, dtype=torch.float64, requires_grad=True) if with_bias else None
+    targets = torch.tensor([0, 22, 4, 5, 6, 7, 13, 14, 21])  # both edges of every chunk width above
+    upstream = torch.randn(rows, generator=generator, dtype=torch.float64)
+
+    got = ChunkedSampledLogProb.apply(hidden, weight, bias, targets, 0.7, chunk_size)
+    want = reference(hidden, weight, bias, targets, 0.7)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+
+    inputs = [t for t in (hidden, weight, bias) if t is not None]
+    got_grads = torch.autograd.grad(got, inputs, upstream)
+    want_grads = torch.autograd.grad(want, inputs, upstream)
+    for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-13)
+
+
+def test_scores_in_float32_whatever_the_input_dtype_and_keeps_the_target_shape():
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 3, 8, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(40, 8, generator=generator).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 40, (2, 3), generator=generator)
+
+    logps = sampled_token_logprobs(hidden, weight, None, targets, chunk_size=16)
+    assert logps.dtype == torch.float32 and logps.shape == (2, 3)
+    torch.testing.assert_close(logps, reference(hidden.float(), weight.float(), None, targets, 1.0), rtol=0, atol=1e-5)
+    logps.sum().backward()
+    assert weight.grad.dtype == torch.bfloat16 and torch.isfinite(weight.grad.float()).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_trainer_scores_like_trls_fused_head_on_cpu(make_trainer, tmp_path, monkeypatch, temperature):
+    """On CPU the trainer uses the kernel above; its values and gradients equal those of TRL's fused head."""
+    trainer = make_trainer(tiny_config(tmp_path, temperature=temperature))
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].size(1)
+    attention_mask[0, -3:] = 0  # a padded completion
+    parameters = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def score(use_trl):
+        monkeypatch.setattr(type(trainer), "_scores_with_trl_kernels", lambda self, model, device: use_trl)
+        logps = trainer._sampled_token_logps(trainer.model, input_ids, attention_mask, keep)
+        return logps, torch.autograd.grad(logps.sum(), parameters)
+
+    ours, our_grads = score(use_trl=False)
+    trls, trl_grads = score(use_trl=True)
+    torch.testing.assert_close(ours, trls, rtol=1e-5, atol=1e-5)
+    assert (ours[attention_mask[:, -keep:] == 0] == 0).all()  # padding scores 0, as in TRL's head
+    for got, want in zip(our_grads, trl_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_trainer_keeps_trls_head_where_ours_does_not_apply(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path))
+    cpu = torch.device("cpu")
+    assert not trainer._scores_with_trl_kernels(trainer.model, cpu)
+    assert trainer._scores_with_trl_kernels(trainer.model, torch.device("cuda"))  # TRL's Triton kernels
+    trainer.accelerator.unwrap_model(trainer.model).config.final_logit_softcapping = 30.0
+    assert trainer._scores_with_trl_kernels(trainer.model, cpu)  # post-processed logits: only TRL reproduces them

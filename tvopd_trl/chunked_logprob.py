@@ -1,0 +1,106 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""The sampled token's log-probability through an LM head, for devices without Triton.
+
+On CUDA and XPU, `TVOPDTrainer` scores tokens with TRL's fused LM head, whose Triton kernels project only the scored
+positions. Without Triton, TRL projects every position, prompt included, and folds each logits tile with out-of-place
+torch operations, about eight tile-sized buffers at its peak (measured in `docs/performance.md`, section 6). This
+function does the same arithmetic in one reused tile: a running logsumexp and a gather going forward; the tile
+recomputed and turned in place into the logits gradient going backward.
+"""
+
+import torch
+
+
+# TRL's fused head and chunked divergence use the same width (`trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`)
+VOCAB_CHUNK_SIZE = 32768
+
+
+def _project(tile, hidden, weight, bias, start, temperature):
+    """`tile = (hidden @ weight[start:].T + bias) / temperature`, one chunk of the vocabulary, in float32."""
+    end = start + tile.size(1)
+    torch.mm(hidden, weight[start:end].to(tile.dtype).t(), out=tile)
+    if bias is not None:
+        tile.add_(bias[start:end].to(tile.dtype))
+    return tile.div_(temperature)
+
+
+class ChunkedSampledLogProb(torch.autograd.Function):
+    """`log_softmax((hidden @ weight.T + bias) / temperature)[n, targets[n]]` for float32 `hidden` of shape `(N, H)`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+        rows = torch.arange(hidden.size(0), device=hidden.device)
+        logsumexp = hidden.new_full((hidden.size(0),), -torch.inf)
+        target_logit = hidden.new_zeros(hidden.size(0))
+        buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)))
+        for start in range(0, weight.size(0), chunk_size):
+            tile = _project(
+                buffer[:, : min(chunk_size, weight.size(0) - start)], hidden, weight, bias, start, temperature
+            )
+            local = targets - start
+            inside = (local >= 0) & (local < tile.size(1))
+            target_logit = torch.where(inside, tile[rows, local.clamp(0, tile.size(1) - 1)], target_logit)
+            chunk_max = tile.amax(dim=-1)
+            chunk_logsumexp = tile.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log_().add_(chunk_max)
+            logsumexp = torch.logaddexp(logsumexp, chunk_logsumexp)
+        ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return target_logit - logsumexp
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        rows = torch.arange(hidden.size(0), device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=hidden.dtype, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=hidden.dtype, device=bias.device) if needs_bias else None
+        buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)))
+        for start in range(0, weight.size(0), chunk_size):
+            width = min(chunk_size, weight.size(0) - start)
+            tile = _project(buffer[:, :width], hidden, weight, bias, start, temperature)
+            # d logp / d logits = (1[target] - softmax) / temperature, times the incoming gradient
+            tile.sub_(logsumexp[:, None]).exp_().mul_(-grad[:, None])
+            local = targets - start
+            inside = (local >= 0) & (local < width)
+            tile[rows[inside], local[inside]] += grad[inside]
+            tile.div_(temperature)
+            if needs_hidden:
+                grad_hidden.addmm_(tile, weight[start : start + width].to(tile.dtype))
+            if needs_weight:
+                grad_weight[start : start + width].addmm_(tile.t(), hidden)
+            if needs_bias:
+                grad_bias[start : start + width] += tile.sum(dim=0)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def sampled_token_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=VOCAB_CHUNK_SIZE):
+    """Float32 log-probabilities of `targets` (any shape) given the matching `hidden` states (same shape + `(H,)`).
+
+    The projection and the softmax run in float32 whatever the dtype of `hidden` and of the head, so that a token's
+    sign(delta) is never decided by bf16 rounding.
+    """
+    flat = hidden.reshape(-1, hidden.size(-1)).float()
+    logps = ChunkedSampledLogProb.apply(flat, weight, bias, targets.reshape(-1), temperature, chunk_size)
+    return logps.view(targets.shape)
