@@ -660,7 +660,7 @@ class TVOPDTrainer(DistillationTrainer):
     def _scores_with_trl_kernels(self, model, device):
         # TRL's fused head is the right kernel where it runs Triton, and the only one that knows every model's logit
         # post-processing, FSDP's DTensors and ZeRO-3. Elsewhere (CPU) `chunked_logprob` projects only the completion
-        # positions through one reused tile: half the time and a fifth of the memory (docs/performance.md).
+        # positions through one reused tile: half the time and an eighth of the memory (docs/performance.md).
         config = self.accelerator.unwrap_model(model).config.get_text_config()
         return (
             device.type != "cpu"
