@@ -63,14 +63,14 @@ _LOGIT_POSTPROCESSING_ATTRIBUTES = (
 
 class _OptimizerStepHooks(TrainerCallback):
     """Runs the trainer's post-update bookkeeping right after `optimizer.step()`, before any `on_step_end`, logging or
-    checkpoint, so that all of them see the scheduler state of the finished step; and, with
-    `tv_scale_target="learning_rate"`, scales the step's learning rate by c_k just before it."""
+    checkpoint, so that all of them see the scheduler state of the finished step; and, just before it, snapshots the
+    parameters for `update/norm` and, with `tv_scale_target="learning_rate"`, scales the step's learning rate by c_k."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._scale_learning_rate()
+        self.trainer._prepare_optimizer_step()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._finish_optimizer_step()
@@ -813,11 +813,13 @@ class TVOPDTrainer(DistillationTrainer):
             return param.to_local()
         return getattr(param, "ds_tensor", param)  # ZeRO-3 keeps the local partition in `ds_tensor`
 
+    def _snapshot_parameters(self):
+        # For `update/norm`: one extra copy of the trainable parameters (of the local shard when sharded)
+        self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
+
     def training_step(self, model, inputs, num_items_in_batch):
-        if self._step % self.args.gradient_accumulation_steps == 0:
-            # Snapshot for `update/norm` at the step's first micro-batch: DeepSpeed already steps inside the last
-            # micro-batch's backward. One extra copy of the trainable parameters (of the local shard when sharded).
-            self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
+        if self.is_deepspeed_enabled and self._step % self.args.gradient_accumulation_steps == 0:
+            self._snapshot_parameters()  # DeepSpeed steps inside the last micro-batch's backward: snapshot before
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -832,7 +834,10 @@ class TVOPDTrainer(DistillationTrainer):
                 model.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _scale_learning_rate(self):
+    def _prepare_optimizer_step(self):
+        if not self.is_deepspeed_enabled:
+            # After the backward, so that the copy never sits beside the activations and the LM head's tiles
+            self._snapshot_parameters()
         # AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate.
         if self.args.tv_scale_target == "learning_rate":
             self._unscaled_learning_rates = [group["lr"] for group in self.optimizer.param_groups]
