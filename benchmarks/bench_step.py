@@ -83,6 +83,7 @@ def table(results, trainers):
         "H",
         "T",
         "trainer",
+        "timed steps",
         "loss s/step",
         "loss tok/s",
         "full s/step",
@@ -109,6 +110,7 @@ def table(results, trainers):
                     shape.hidden,
                     shape.completion,
                     kind,
+                    len(timing.get(kind, {}).get("loss", [])),
                     common.fmt(loss) if loss else _error(timing, mem),
                     common.fmt(shape.completion_tokens / loss) if loss else "-",
                     common.fmt(full) if full else "-",
@@ -153,6 +155,17 @@ def targets(results):
     return "\n".join(lines)
 
 
+def whole_rounds(path):
+    """The timings in `path` of the trainers whose runs all finished (a killed run leaves its trainer out)."""
+    with open(path) as f:
+        seconds = json.load(f)
+    counts = {len(phases["loss"]) for phases in seconds.values() if phases["loss"] and phases["full"]}
+    done = min(counts) if counts else 0
+    return {
+        kind: {phase: values[:done] for phase, values in phases.items()} for kind, phases in seconds.items() if done
+    }
+
+
 def _median(timing, kind, phase):
     stats = common.summarize(timing.get(kind, {}).get(phase, []))
     return stats["median"] if stats else None
@@ -195,6 +208,26 @@ def plot(results, trainers, path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def measure_timing(shape, trainers, config, cache_dir, partial):
+    print(f"[bench_step] {shape.name}: timing {trainers} ({config['rounds']} rounds)", file=sys.stderr, flush=True)
+    if os.path.exists(partial):
+        os.remove(partial)
+    job = common.job(
+        "time",
+        shape,
+        trainers=trainers,
+        rounds=config["rounds"],
+        steps=config["steps"],
+        cache_dir=cache_dir,
+        partial=partial,
+    )
+    timing = common.run_worker(__file__, job)
+    if "error" in timing and os.path.exists(partial):  # keep the runs that finished before the failure
+        with open(partial) as f:
+            timing = {**json.load(f), "error": timing["error"]}
+    return timing
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_out=os.path.join(os.path.dirname(__file__), "results"))
@@ -202,6 +235,12 @@ def main():
         "--trainers", default=",".join(common.TRAINERS), help="comma-separated subset of tv,raw,distill,gkd"
     )
     common.add_grid_arguments(parser, "A B A B rounds per grid point")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the timings and memories already in --cache-dir (whole rounds only) instead of measuring again: "
+        "a grid split over several invocations, then reported by one",
+    )
     cli = parser.parse_args()
     config = common.grid_config(cli, QUICK, FULL)
     trainers = cli.trainers.split(",")
@@ -209,26 +248,22 @@ def main():
     shapes = common.grid(config["vocabs"], config["hiddens"], config["completions"], config["prompt"], config["batch"])
     results = []
     for shape in shapes:
-        print(f"[bench_step] {shape.name}: timing {trainers} ({config['rounds']} rounds)", file=sys.stderr, flush=True)
         partial = os.path.join(cache_dir, f"timing-{shape.name}.json")
-        if os.path.exists(partial):
-            os.remove(partial)
-        timing = common.run_worker(
-            __file__,
-            common.job(
-                "time",
-                shape,
-                trainers=trainers,
-                rounds=config["rounds"],
-                steps=config["steps"],
-                cache_dir=cache_dir,
-                partial=partial,
-            ),
-        )
-        if "error" in timing and os.path.exists(partial):  # keep the runs that finished before the failure
-            with open(partial) as f:
-                timing = {**json.load(f), "error": timing["error"]}
-        memory = {} if cli.no_memory else common.measure_memories(__file__, shape, trainers, cache_dir, "bench_step")
+        memory_file = os.path.join(cache_dir, f"memory-{shape.name}.json")
+        if cli.resume and os.path.exists(partial):
+            print(f"[bench_step] {shape.name}: reusing {partial}", file=sys.stderr, flush=True)
+            timing = whole_rounds(partial)
+        else:
+            timing = measure_timing(shape, trainers, config, cache_dir, partial)
+        if cli.resume and os.path.exists(memory_file):
+            with open(memory_file) as f:
+                memory = json.load(f)
+        elif cli.no_memory:
+            memory = {}
+        else:
+            memory = common.measure_memories(__file__, shape, trainers, cache_dir, "bench_step")
+            with open(memory_file, "w") as f:
+                json.dump(memory, f)
         results.append({"shape": asdict(shape), "timing": timing, "memory": memory})
 
     label = " (--quick validation configuration)" if cli.quick else ""
@@ -236,9 +271,9 @@ def main():
         [
             "## Machine\n\n" + common.machine_markdown(info),
             f"## Step time and memory{label}\n\n"
-            f"B={config['batch']} prompts of P={config['prompt']} tokens, {config['rounds']} rounds x "
-            f"{config['steps'] - WARMUP_STEPS} timed steps per trainer and phase; medians.\n\n"
-            + table(results, trainers),
+            f"B={config['batch']} prompts of P={config['prompt']} tokens; medians over the timed steps of each trainer "
+            f"and phase ({config['rounds']} rounds x {config['steps'] - WARMUP_STEPS} unless the column says "
+            "otherwise).\n\n" + table(results, trainers),
             "## Targets\n\n" + (targets(results) or "- (need tv, raw and distill)"),
         ]
     )
