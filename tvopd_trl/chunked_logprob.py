@@ -29,7 +29,7 @@ VOCAB_CHUNK_SIZE = 32768
 
 
 def _project(tile, hidden, weight, bias, start, temperature):
-    """`tile = (hidden @ weight[start:].T + bias) / temperature`, one chunk of the vocabulary, in float32."""
+    """`tile = (hidden @ weight[start:].T + bias) / temperature`, one chunk of the vocabulary, in the tile's dtype."""
     end = start + tile.size(1)
     torch.mm(hidden, weight[start:end].to(tile.dtype).t(), out=tile)
     if bias is not None:
@@ -47,12 +47,11 @@ class ChunkedSampledLogProb(torch.autograd.Function):
         target_logit = hidden.new_zeros(hidden.size(0))
         buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)))
         for start in range(0, weight.size(0), chunk_size):
-            tile = _project(
-                buffer[:, : min(chunk_size, weight.size(0) - start)], hidden, weight, bias, start, temperature
-            )
+            width = min(chunk_size, weight.size(0) - start)
+            tile = _project(buffer[:, :width], hidden, weight, bias, start, temperature)
             local = targets - start
-            inside = (local >= 0) & (local < tile.size(1))
-            target_logit = torch.where(inside, tile[rows, local.clamp(0, tile.size(1) - 1)], target_logit)
+            inside = (local >= 0) & (local < width)
+            target_logit = torch.where(inside, tile[rows, local.clamp(0, width - 1)], target_logit)
             chunk_max = tile.amax(dim=-1)
             chunk_logsumexp = tile.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log_().add_(chunk_max)
             logsumexp = torch.logaddexp(logsumexp, chunk_logsumexp)

@@ -630,10 +630,11 @@ class TVOPDTrainer(DistillationTrainer):
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
         chunk = self.args.per_device_train_batch_size
+        with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
         logps = []
         for start in range(0, input_ids.size(0), chunk):
             rows = slice(start, start + chunk)
-            if self._scores_with_trl_kernels(model, input_ids.device):
+            if with_trl_kernels:
                 with self.accelerator.autocast():
                     outputs = model(
                         input_ids=input_ids[rows],
