@@ -48,7 +48,7 @@ def kernels(hidden_size, vocab):
         )[0]
 
     def lean(hidden, targets):
-        return ChunkedSampledLogProb.apply(hidden, student_weight, None, targets, 1.0, CHUNK)
+        return ChunkedSampledLogProb.apply(hidden, student_weight, None, targets, 1.0, CHUNK)[0]
 
     def divergence(hidden, targets):
         teacher_hidden = torch.randn_like(hidden.detach())

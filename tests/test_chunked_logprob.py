@@ -24,15 +24,33 @@ def test_matches_log_softmax_and_its_gradients_in_float64(chunk_size, with_bias)
     targets = torch.tensor([0, 22, 4, 5, 6, 7, 13, 14, 21])  # both edges of every chunk width above
     upstream = torch.randn(rows, generator=generator, dtype=torch.float64)
 
-    got = ChunkedSampledLogProb.apply(hidden, weight, bias, targets, 0.7, chunk_size)
+    got, entropy = ChunkedSampledLogProb.apply(hidden, weight, bias, targets, 0.7, chunk_size, True)
     want = reference(hidden, weight, bias, targets, 0.7)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    log_p = torch.log_softmax((hidden @ weight.T + (0 if bias is None else bias)) / 0.7, dim=-1)
+    torch.testing.assert_close(entropy, -(log_p.exp() * log_p).sum(-1), rtol=0, atol=1e-12)
+    assert not entropy.requires_grad
 
     inputs = [t for t in (hidden, weight, bias) if t is not None]
     got_grads = torch.autograd.grad(got, inputs, upstream)
     want_grads = torch.autograd.grad(want, inputs, upstream)
     for got_grad, want_grad in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=1e-13)
+
+
+def test_entropy_is_exact_for_peaked_and_flat_rows_in_float32():
+    # A row whose mass sits in one chunk (others underflow to 0) and a uniform row (entropy log V)
+    vocab = 50
+    hidden = torch.tensor([[80.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    weight = torch.zeros(vocab, 4)
+    weight[3, 0] = 1.0
+    targets = torch.tensor([3, 7])
+    logps, entropy = sampled_token_logprobs(hidden, weight, None, targets, chunk_size=16, return_entropy=True)
+    log_p = torch.log_softmax(hidden @ weight.T, dim=-1)
+    want = -(torch.special.xlogy(log_p.exp(), log_p.exp())).sum(-1)
+    torch.testing.assert_close(entropy, want, rtol=0, atol=1e-5)
+    assert entropy[1].item() == pytest.approx(torch.log(torch.tensor(50.0)).item(), abs=1e-5)
+    torch.testing.assert_close(logps, log_p.gather(-1, targets[:, None])[:, 0], rtol=0, atol=1e-5)
 
 
 def test_scores_in_float32_whatever_the_input_dtype_and_keeps_the_target_shape():

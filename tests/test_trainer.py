@@ -130,11 +130,11 @@ class RecordingTrainer(TVOPDTrainer):
             )
         return loss
 
-    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
-        logps = super()._sampled_token_logps(model, input_ids, attention_mask, logits_to_keep)
+    def _sampled_token_logps(self, model, *args, **kwargs):
+        scores = super()._sampled_token_logps(model, *args, **kwargs)
         if model is self.model_wrapped and torch.is_grad_enabled():
-            self.last_loss_logps = logps.detach().clone()
-        return logps
+            self.last_loss_logps = scores[0].detach().clone()
+        return scores
 
 
 def test_tv_estimate_pools_tokens_over_micro_batches(make_trainer, tmp_path):

@@ -38,13 +38,16 @@ def _project(tile, hidden, weight, bias, start, temperature):
 
 
 class ChunkedSampledLogProb(torch.autograd.Function):
-    """`log_softmax((hidden @ weight.T + bias) / temperature)[n, targets[n]]` for float32 `hidden` of shape `(N, H)`."""
+    """`log_softmax((hidden @ weight.T + bias) / temperature)[n, targets[n]]` for float32 `hidden` of shape `(N, H)`,
+    and, with `with_entropy`, the entropy of each row's distribution (no gradient; `None` otherwise)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy=False):
         rows = torch.arange(hidden.size(0), device=hidden.device)
         logsumexp = hidden.new_full((hidden.size(0),), -torch.inf)
         target_logit = hidden.new_zeros(hidden.size(0))
+        # sum_v p_v z_v, kept as a running average over the chunks weighted by their share of the mass
+        mean_logit = hidden.new_zeros(hidden.size(0)) if with_entropy else None
         buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)))
         for start in range(0, weight.size(0), chunk_size):
             width = min(chunk_size, weight.size(0) - start)
@@ -53,14 +56,24 @@ class ChunkedSampledLogProb(torch.autograd.Function):
             inside = (local >= 0) & (local < width)
             target_logit = torch.where(inside, tile[rows, local.clamp(0, width - 1)], target_logit)
             chunk_max = tile.amax(dim=-1)
-            chunk_logsumexp = tile.sub_(chunk_max[:, None]).exp_().sum(dim=-1).log_().add_(chunk_max)
-            logsumexp = torch.logaddexp(logsumexp, chunk_logsumexp)
+            chunk_sum = tile.sub_(chunk_max[:, None]).exp_().sum(dim=-1)
+            chunk_logsumexp = chunk_sum.log().add_(chunk_max)
+            updated = torch.logaddexp(logsumexp, chunk_logsumexp)
+            if with_entropy:
+                # In place, the tile's e = exp(z - max) becomes e * log(e) = e * (z - max): no second tile
+                chunk_mean = torch.xlogy(tile, tile, out=tile).sum(dim=-1).div_(chunk_sum).add_(chunk_max)
+                share = torch.exp(chunk_logsumexp - updated)
+                mean_logit = mean_logit * (1 - share) + share * chunk_mean
+            logsumexp = updated
         ctx.save_for_backward(hidden, weight, bias, targets, logsumexp)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return target_logit - logsumexp
+        entropy = logsumexp - mean_logit if with_entropy else None
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return target_logit - logsumexp, entropy
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_entropy):
         hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -91,15 +104,23 @@ class ChunkedSampledLogProb(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def sampled_token_logprobs(hidden, weight, bias, targets, temperature=1.0, chunk_size=VOCAB_CHUNK_SIZE):
+def sampled_token_logprobs(
+    hidden, weight, bias, targets, temperature=1.0, chunk_size=VOCAB_CHUNK_SIZE, return_entropy=False
+):
     """Float32 log-probabilities of `targets` (any shape) given the matching `hidden` states (same shape + `(H,)`).
 
     The projection and the softmax run in float32 whatever the dtype of `hidden` and of the head, so that a token's
-    sign(delta) is never decided by bf16 rounding.
+    sign(delta) is never decided by bf16 rounding. With `return_entropy`, also the entropy of each position's
+    distribution (same shape, detached), folded into the same pass over the vocabulary.
     """
     flat = hidden.reshape(-1, hidden.size(-1)).float()
-    logps = ChunkedSampledLogProb.apply(flat, weight, bias, targets.reshape(-1), temperature, chunk_size)
-    return logps.view(targets.shape)
+    logps, entropy = ChunkedSampledLogProb.apply(
+        flat, weight, bias, targets.reshape(-1), temperature, chunk_size, return_entropy
+    )
+    if not return_entropy:
+        return logps.view(targets.shape)
+    return logps.view(targets.shape), entropy.view(targets.shape)

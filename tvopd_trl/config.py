@@ -71,7 +71,14 @@ class TVOPDConfig(DistillationConfig):
         tv_scale_target (`str`, *optional*, defaults to `"advantage"`):
             What c_k scales: `"advantage"` (A = c_k * sign(delta), the paper's) or `"learning_rate"` (A = sign(delta)
             and the step's learning rate is multiplied by c_k). AdamW largely cancels a slowly changing uniform scale
-            of the loss, but not of the learning rate. Not supported under DeepSpeed, whose engine steps the optimizer.
+            of the loss, but not of the learning rate. The decoupled weight decay of AdamW-like optimizers keeps its
+            unscaled strength lr * weight_decay, as it does with `"advantage"`; an optimizer that adds weight decay to
+            the gradient (SGD, Adam) scales it with the step. Not supported under DeepSpeed, whose engine steps the
+            optimizer.
+        log_update_norm (`bool`, *optional*, defaults to `True`):
+            Whether to log `update/norm`, the norm of each optimizer step's realised parameter change. It needs a copy
+            of the trainable parameters (of the local shard when sharded) from just before `optimizer.step()` to just
+            after: parameter-sized memory like one AdamW moment. `False` takes no copy and logs no `update/norm`.
         log_exact_tv (`bool`, *optional*, defaults to `False`):
             Whether to log `tv/exact`, the exact mean conditional TV over the vocabulary at every active state. It
             costs one extra no-grad forward of both models and a chunked pass over their vocabulary projections per
@@ -167,6 +174,10 @@ class TVOPDConfig(DistillationConfig):
             "help": "What c_k scales: `advantage` (the paper's) or `learning_rate`.",
             "choices": ["advantage", "learning_rate"],
         },
+    )
+    log_update_norm: bool = field(
+        default=True,
+        metadata={"help": "Whether to log `update/norm` (costs a copy of the trainable parameters at each step)."},
     )
     log_exact_tv: bool = field(
         default=False,
@@ -279,6 +290,13 @@ class TVOPDConfig(DistillationConfig):
         if mode == "relative_power" and (self.relative_power_beta is None or not 0 <= self.relative_power_beta <= 1):
             raise ValueError(
                 f"advantage_mode='relative_power' needs relative_power_beta in [0, 1], got {self.relative_power_beta}."
+            )
+        if not self.disable_dropout:
+            warnings.warn(
+                "disable_dropout=False: with dropout on, the student's log-probabilities are random draws, so pi_old, "
+                "the ratio pi_theta / pi_old and the TV estimate no longer describe the policy that sampled the "
+                "tokens. Set disable_dropout=True (the default).",
+                stacklevel=2,
             )
         if not self.restore_callback_states_from_checkpoint:
             warnings.warn(

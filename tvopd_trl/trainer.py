@@ -12,6 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
+import json
 import math
 import os
 import shutil
@@ -50,6 +51,9 @@ from .tv import tv_estimate
 
 logger = logging.get_logger(__name__)
 
+# Per process, in a checkpoint taken inside a rollout batch (see `TVOPDTrainer._save_rng_state`)
+ROLLOUT_STATE_NAME = "rollout_state_{process}.pt"
+
 
 # Model-specific logit post-processing that a plain projection through the output head would miss.
 _LOGIT_POSTPROCESSING_ATTRIBUTES = (
@@ -59,6 +63,26 @@ _LOGIT_POSTPROCESSING_ATTRIBUTES = (
     "logits_scaling",
     "final_logit_softcapping",
 )
+
+
+def _load_tokenizer(source, trust_remote_code):
+    """The tokenizer of a local folder or Hub id, or None when there is none to load (then only a warning can say that
+    the vocabularies were not compared)."""
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        logger.info(f"No tokenizer could be loaded from {source!r}: {error}")
+        return None
+
+
+def _decouples_weight_decay(optimizer, group):
+    """Whether `optimizer` (AdamW and its kin) shrinks the weights by lr * weight_decay outside the gradient."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+
+
+def _add_stats(total, stats):
+    return stats if total is None else {name: total[name] + value for name, value in stats.items()}
 
 
 class _OptimizerStepHooks(TrainerCallback):
@@ -191,11 +215,8 @@ class TVOPDTrainer(DistillationTrainer):
                 f"({type(processing_class).__name__}). Pass the model's tokenizer instead."
             )
         self._check_paths(model, teacher_model)
-        teacher_source = teacher_model if isinstance(teacher_model, str) else None
-        if teacher_processing_class is None and teacher_source is not None and os.path.isdir(teacher_source):
-            teacher_processing_class = AutoTokenizer.from_pretrained(
-                teacher_source, trust_remote_code=args.trust_remote_code
-            )
+        if teacher_processing_class is None and isinstance(teacher_model, str):
+            teacher_processing_class = _load_tokenizer(teacher_model, args.trust_remote_code)
         if teacher_processing_class is not None and isinstance(processing_class, PreTrainedTokenizerBase):
             check_shared_vocabulary(processing_class, teacher_processing_class)  # before any model loads
 
@@ -237,8 +258,17 @@ class TVOPDTrainer(DistillationTrainer):
             )
         student = self.accelerator.unwrap_model(self.model)
         teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
-        self._check_teacher(teacher, teacher_processing_class, teacher_source)
+        if teacher is not None:
+            # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
+            self.teacher_model.eval()
+        self._check_teacher(teacher, teacher_processing_class)
         self._warn_on_off_policy_sampling()
+        if args.bf16 and self.accelerator.device.type == "cpu":
+            warnings.warn(
+                "bf16=True on CPU: bf16 autocast there is emulated and made TV-OPD about 3x slower than float32 in a "
+                "measured case (docs/performance.md). Set bf16=False (TRL's config defaults to bf16=True).",
+                stacklevel=2,
+            )
         if args.advantage_mode == "vopd" or args.log_exact_tv:  # the config refuses these with a served teacher
             for config in (student.config.get_text_config(), teacher.config.get_text_config()):
                 found = [name for name in _LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
@@ -255,6 +285,7 @@ class TVOPDTrainer(DistillationTrainer):
             student.get_base_model() if hasattr(student, "get_base_model") else student,
             temperature=self.temperature,
             cast_lm_head_to_fp32=True,
+            outputs=("log_probs", "entropy"),
         )
         if teacher is not None:
             add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
@@ -274,7 +305,7 @@ class TVOPDTrainer(DistillationTrainer):
         self._truncated_prompts = 0
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
         self._rollout_scale = 1.0
-        self._unscaled_learning_rates = None
+        self._unscaled_param_groups = None
         self._rollout_tv = None
         self._rollout_exact_tv = None
         self._rollout_grad_norm_finite = True
@@ -299,7 +330,75 @@ class TVOPDTrainer(DistillationTrainer):
                     f"Cannot resume from {resume_from_checkpoint}: it lacks {', '.join(missing)}. Resume with "
                     "`resume_from_checkpoint=True` (`--resume_from_checkpoint last`) to use the last complete one."
                 )
+        if resume_from_checkpoint is not None:
+            self._load_rollout_state(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Checkpoints inside a rollout batch: with steps_per_generation or num_iterations > 1, a checkpoint may fall
+    # between two optimizer steps that share one rollout batch. It then carries the rest of that batch and the batch's
+    # accumulators, so that a resumed run takes the same steps on the same tokens and updates the scheduler at the same
+    # steps as an uninterrupted one.
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _rollout_layout(self):
+        args = self.args
+        return {
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "steps_per_generation": args.steps_per_generation,
+            "num_iterations": args.num_iterations,
+            "num_processes": self.accelerator.num_processes,
+        }
+
+    def _rollout_state_path(self, checkpoint):
+        return os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(process=self.accelerator.process_index))
+
+    def _save_rng_state(self, output_dir):
+        # Each process saves its RNG state here, before transformers writes `trainer_state.json`: a checkpoint whose
+        # trainer state exists has its rollout states too.
+        super()._save_rng_state(output_dir)
+        if self._step % self._micro_steps_per_rollout == 0:
+            return  # at a rollout boundary the next step generates anew
+        state = {
+            "layout": self._rollout_layout(),
+            "step": self._step,
+            "buffered_inputs": self._buffered_inputs,
+            "scale": self._rollout_scale,
+            "tv": self._rollout_tv,
+            "exact_tv": self._rollout_exact_tv,
+            "grad_norm_finite": self._rollout_grad_norm_finite,
+        }
+        torch.save(state, self._rollout_state_path(output_dir))
+
+    def _load_rollout_state(self, checkpoint):
+        path = self._rollout_state_path(checkpoint)
+        if not os.path.isfile(path):
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                global_step = json.load(f)["global_step"]
+            steps_per_rollout = self.args.steps_per_generation * self.args.num_iterations
+            if global_step % steps_per_rollout:
+                raise ValueError(
+                    f"{checkpoint} is at step {global_step}, inside a rollout batch of {steps_per_rollout} optimizer "
+                    f"steps (steps_per_generation x num_iterations), but has no {os.path.basename(path)} to continue "
+                    "it: it was saved with other batch settings or by an older tvopd-trl. Resume from a checkpoint at "
+                    f"a multiple of {steps_per_rollout} steps, or with the settings it was saved with."
+                )
+            self._step, self._buffered_inputs = 0, None
+            return
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
+        if state["layout"] != self._rollout_layout():
+            raise ValueError(
+                f"{checkpoint} was saved inside a rollout batch laid out as {state['layout']}, but this run has "
+                f"{self._rollout_layout()}. Resume with the settings it was saved with, or from a checkpoint at a "
+                "rollout boundary."
+            )
+        self._step = state["step"]
+        self._buffered_inputs = state["buffered_inputs"]
+        self._rollout_scale = state["scale"]
+        self._rollout_tv = state["tv"]
+        self._rollout_exact_tv = state["exact_tv"]
+        self._rollout_grad_norm_finite = state["grad_norm_finite"]
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, with a section on the TV-OPD run: mode and hyperparameters, teacher, dataset, and the
@@ -401,13 +500,9 @@ class TVOPDTrainer(DistillationTrainer):
                 "vllm-serve --model <model>`) or fix the URL; the matching `..._timeout` setting sets how long to wait."
             ) from error
 
-    def _check_teacher(self, teacher, teacher_processing_class, teacher_source):
-        if teacher_processing_class is None and teacher is not None:
-            source = teacher_source or teacher.config._name_or_path
-            if source and os.path.isdir(source):
-                teacher_processing_class = AutoTokenizer.from_pretrained(
-                    source, trust_remote_code=self.args.trust_remote_code
-                )
+    def _check_teacher(self, teacher, teacher_processing_class):
+        if teacher_processing_class is None and teacher is not None and teacher.config._name_or_path:
+            teacher_processing_class = _load_tokenizer(teacher.config._name_or_path, self.args.trust_remote_code)
         if teacher_processing_class is None:
             compared = "nothing" if teacher is None else "only vocab_size"
             warnings.warn(
@@ -506,21 +601,19 @@ class TVOPDTrainer(DistillationTrainer):
             seed=self.args.seed,
         )
 
-    @staticmethod
-    def _active_tokens(batch):
+    def _active_tokens(self, batch):
         # Tokens the loss will use, as far as it is known before the loss pass: without precomputed pi_old, only a
-        # non-finite teacher log-probability is known (a non-finite student log-probability there, pathological,
-        # leaves its token in the count).
+        # missing teacher or sampler log-probability is known (a non-finite student log-probability there,
+        # pathological, leaves its token in the count).
         old_logps = batch.get("old_logps")
         old_logps = torch.zeros_like(batch["teacher_logps"]) if old_logps is None else old_logps
-        return token_delta(batch["teacher_logps"], old_logps, batch["loss_mask"])[1]
+        return self._rollout_delta(batch, old_logps)[1]
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:
             return self._generate_and_score_completions(generation_batch)
         micro_batches = self._micro_batches_per_rollout
-        # `_buffered_inputs` is None after resuming mid-rollout: the rollout is generated anew.
-        if self._step % self._micro_steps_per_rollout == 0 or self._buffered_inputs is None:
+        if self._step % self._micro_steps_per_rollout == 0:
             rollout = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
             self._buffered_inputs = split_tensor_dict(rollout, micro_batches)
             # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
@@ -564,22 +657,39 @@ class TVOPDTrainer(DistillationTrainer):
         device = self.accelerator.device
         truncated = torch.tensor(self._truncated_prompts, device=device, dtype=torch.float32)
         self._metrics[mode]["prompts/truncated"].append(self.accelerator.reduce(truncated, reduction="sum").item())
+        # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the loss
+        # pass's own detached log-probabilities are pi_old, and that extra forward is skipped.
+        freeze_old_logps = mode == "train" and self._micro_steps_per_rollout > self.args.gradient_accumulation_steps
+        output = self._score_completions(output, freeze_old_logps)
+        if self.use_vllm:
+            # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
+            # NaN here, and the loss drops the token.
+            sampler_logps = [
+                torch.tensor([math.nan if value is None else value for value in logps], dtype=torch.float32)
+                for logps in self._sampler_logps
+            ]
+            sampler_logps = pad(sampler_logps, padding_value=0.0, padding_side="right").to(device)
+            width = output["completion_ids"].size(1)  # completions may be padded to `pad_to_multiple_of`
+            output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
+        return output
 
+    def _score_completions(self, output, freeze_old_logps=False):
+        """Adds the per-token signals of a generated batch (`prompt_ids`, `prompt_mask`, `completion_ids`,
+        `completion_mask`, optionally `tool_mask`): `loss_mask`, `teacher_logps`, with `freeze_old_logps` the rollout
+        student's `old_logps`, and the exact `reverse_kl` / `exact_tv` when the mode or `log_exact_tv` needs them."""
         prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logits_to_keep = output["completion_ids"].size(1)
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-
+        output["loss_mask"] = output["completion_mask"] * output.get("tool_mask", 1)
         with torch.no_grad():
             if self._teacher_client is not None:
                 output["teacher_logps"] = self._served_teacher_logps(output)
             else:
+                self.teacher_model.eval()  # whatever another callback or user did to it since construction
                 output["teacher_logps"] = self._sampled_token_logps(
                     self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
-            # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the
-            # loss pass's own detached log-probabilities are pi_old, and this extra forward is skipped.
-            if self._micro_steps_per_rollout > self.args.gradient_accumulation_steps and mode == "train":
+            if freeze_old_logps:
                 output["old_logps"] = self._sampled_token_logps(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
@@ -587,20 +697,15 @@ class TVOPDTrainer(DistillationTrainer):
                 output["reverse_kl"], output["exact_tv"] = self._exact_divergences(
                     prompt_completion_ids, attention_mask, logits_to_keep
                 )
-        if self.use_vllm:
-            sampler_logps = [torch.tensor(logps, dtype=torch.float32) for logps in self._sampler_logps]
-            sampler_logps = pad(sampler_logps, padding_value=0.0, padding_side="right").to(device)
-            width = output["completion_ids"].size(1)  # completions may be padded to `pad_to_multiple_of`
-            output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
-        output["loss_mask"] = loss_mask
         return output
 
     def _served_teacher_logps(self, output):
         """The teacher server's float32 `(B, T)` log-probabilities of the sampled completion tokens (0 at padding).
 
         One prefill request scores each unpadded prompt + completion; vLLM always returns the log-probability of the
-        actual token beside the top-1, so `top_logprobs=1` suffices. A token the server reports no value for comes
-        back as -inf and is dropped by the loss like any non-finite teacher log-probability."""
+        actual token beside the top-1, so `top_logprobs=1` suffices. TRL's client reports a value the server did not
+        give, or gave as NaN, as -inf; that is a missing value, not the teacher ruling the token out, so it becomes NaN
+        here: the loss and the TV estimate drop the token and `tv/nonfinite_tokens` counts it."""
         prompt_mask = output["prompt_mask"].bool().cpu()
         completion_mask = output["completion_mask"].bool().cpu()
         prompt_ids, completion_ids = output["prompt_ids"].cpu(), output["completion_ids"].cpu()
@@ -623,17 +728,18 @@ class TVOPDTrainer(DistillationTrainer):
                     "tokens; is it serving the same tokenizer as the student?"
                 )
             logps[row, :length] = torch.tensor([value[0] for value in values], dtype=torch.float32)
+        logps = torch.where(torch.isfinite(logps), logps, math.nan)
         return logps.to(self.accelerator.device)
 
-    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep):
-        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks."""
+    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
+        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
+        `with_entropy`, also the detached entropy of each position's distribution, from the same pass."""
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        chunk = self.args.per_device_train_batch_size
         with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
-        logps = []
-        for start in range(0, input_ids.size(0), chunk):
-            rows = slice(start, start + chunk)
+        logps, entropies = [], []
+        for rows in self._row_chunks(input_ids.size(0)):
+            padding = labels[rows, -logits_to_keep:] == -100
             if with_trl_kernels:
                 with self.accelerator.autocast():
                     outputs = model(
@@ -643,10 +749,11 @@ class TVOPDTrainer(DistillationTrainer):
                         fused_lm_head=True,
                     )
                 logps.append(outputs.log_probs[:, -logits_to_keep:].float())
+                entropy = outputs.entropy[:, -logits_to_keep:].float() if with_entropy else None
             else:
                 unwrapped = self.accelerator.unwrap_model(model)
                 # Through the wrapper's forward, so that DDP prepares its gradient reduction for this backward
-                completion_logps = self._forward_redirection(
+                completion_logps, entropy = self._forward_redirection(
                     model,
                     unwrapped,
                     self._completion_logps,
@@ -654,9 +761,17 @@ class TVOPDTrainer(DistillationTrainer):
                     input_ids[rows],
                     attention_mask[rows],
                     logits_to_keep,
+                    with_entropy,
                 )
-                logps.append(completion_logps.masked_fill(labels[rows, -logits_to_keep:] == -100, 0.0))
-        return torch.cat(logps)
+                logps.append(completion_logps.masked_fill(padding, 0.0))
+            if with_entropy:
+                entropies.append(entropy.detach().masked_fill(padding, 0.0))
+        return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
+
+    def _row_chunks(self, rows):
+        # Rows of a rollout are scored `per_device_train_batch_size` at a time: the activations of one micro-batch
+        chunk = self.args.per_device_train_batch_size
+        return [slice(start, start + chunk) for start in range(0, rows, chunk)]
 
     def _scores_with_trl_kernels(self, model, device):
         # TRL's fused head is the right kernel where it runs Triton, and the only one that knows every model's logit
@@ -670,35 +785,49 @@ class TVOPDTrainer(DistillationTrainer):
             or any(getattr(config, name, None) is not None for name in _LOGIT_POSTPROCESSING_ATTRIBUTES)
         )
 
-    def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep):
+    def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, with_entropy):
         with self.accelerator.autocast():
             hidden = self._get_last_hidden_state(unwrapped, input_ids, attention_mask, logits_to_keep)
         head = unwrapped.get_output_embeddings()
         with torch.autocast(hidden.device.type, enabled=False):
-            return sampled_token_logprobs(
-                hidden, head.weight, head.bias, input_ids[:, -logits_to_keep:], temperature=self.temperature
+            scores = sampled_token_logprobs(
+                hidden,
+                head.weight,
+                head.bias,
+                input_ids[:, -logits_to_keep:],
+                temperature=self.temperature,
+                return_entropy=with_entropy,
             )
+        return scores if with_entropy else (scores, None)
 
     def _exact_divergences(self, input_ids, attention_mask, logits_to_keep):
-        hidden_states, heads = [], []
-        for wrapped in (self.model_wrapped, self.teacher_model):
-            unwrapped = self.accelerator.unwrap_model(wrapped)
-            # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the backbone.
-            with self.accelerator.autocast():
-                hidden = self._forward_redirection(
-                    wrapped,
-                    unwrapped,
-                    self._get_last_hidden_state,
-                    unwrapped,
-                    input_ids,
-                    attention_mask,
-                    logits_to_keep,
+        reverse_kl, tv = [], []
+        for rows in self._row_chunks(input_ids.size(0)):  # the peak stays one micro-batch's, whatever the rollout size
+            hidden_states, heads = [], []
+            for wrapped in (self.model_wrapped, self.teacher_model):
+                unwrapped = self.accelerator.unwrap_model(wrapped)
+                # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the
+                # backbone.
+                with self.accelerator.autocast():
+                    hidden = self._forward_redirection(
+                        wrapped,
+                        unwrapped,
+                        self._get_last_hidden_state,
+                        unwrapped,
+                        input_ids[rows],
+                        attention_mask[rows],
+                        logits_to_keep,
+                    )
+                hidden_states.append(hidden)
+                heads.append(unwrapped.get_output_embeddings())
+            params = [p for head in heads for p in (head.weight, head.bias) if p is not None]
+            with maybe_gather_lm_head_ctx(*params):
+                chunk_reverse_kl, chunk_tv = exact_reverse_kl_and_tv(
+                    *hidden_states, *heads, temperature=self.temperature
                 )
-            hidden_states.append(hidden)
-            heads.append(unwrapped.get_output_embeddings())
-        params = [p for head in heads for p in (head.weight, head.bias) if p is not None]
-        with maybe_gather_lm_head_ctx(*params):
-            return exact_reverse_kl_and_tv(*hidden_states, *heads, temperature=self.temperature)
+            reverse_kl.append(chunk_reverse_kl)
+            tv.append(chunk_tv)
+        return torch.cat(reverse_kl), torch.cat(tv)
 
     # ----------------------------------------------------------------------------------------------------------------
     # The loss
@@ -711,24 +840,38 @@ class TVOPDTrainer(DistillationTrainer):
         seed = hash((self.args.seed, self.accelerator.process_index, rollout_index, micro_index)) % (2**63)
         return torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def _rollout_delta(inputs, old_logps):
+        """delta and the tokens that carry one: active in `loss_mask`, with finite log-probabilities from the teacher,
+        the rollout student and, under vLLM, the sampler."""
+        delta, active = token_delta(inputs["teacher_logps"], old_logps, inputs["loss_mask"])
+        if "sampler_logps" in inputs:
+            active = active & torch.isfinite(inputs["sampler_logps"])
+        return delta, active
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if self.model.training else "eval"
+        if "teacher_logps" not in inputs:
+            # Called the way TRL's trainers are (custom loops, TRL's tests): a generated batch, scored here
+            inputs = self._score_completions(dict(inputs))
+        # Inside `train()` every micro-batch of a rollout batch carries its optimizer step's token count. Any other call
+        # (evaluation, a custom loop) is one standalone batch: logged at once, never fed to the scheduler.
+        in_rollout = mode == "train" and "step_num_items" in inputs
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logits_to_keep = inputs["completion_ids"].size(1)
 
-        logps = self._sampled_token_logps(model, input_ids, attention_mask, logits_to_keep)
+        logps, entropy = self._sampled_token_logps(model, input_ids, attention_mask, logits_to_keep, with_entropy=True)
         old_logps = inputs.get("old_logps")
         old_logps = logps.detach() if old_logps is None else old_logps
         teacher_logps = inputs["teacher_logps"]
-        delta, rollout_active = token_delta(teacher_logps, old_logps, inputs["loss_mask"])
+        delta, rollout_active = self._rollout_delta(inputs, old_logps)
         active = rollout_active & torch.isfinite(logps).detach()
 
-        first_pass = mode == "train" and (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
-        if mode == "train" and self._step % self._micro_steps_per_rollout == 0:
+        if in_rollout and self._step % self._micro_steps_per_rollout == 0:
             self._rollout_scale = self._tv_scheduler.scale  # c_k: read once, held for the whole rollout batch
-        scale = self._rollout_scale if mode == "train" else self._tv_scheduler.scale
+        scale = self._rollout_scale if in_rollout else self._tv_scheduler.scale
         advantages = compute_advantages(
             args.advantage_mode,
             teacher_logps=teacher_logps,
@@ -747,45 +890,53 @@ class TVOPDTrainer(DistillationTrainer):
         ratio = torch.exp(torch.where(active, logps, 0.0) - torch.where(active, old_logps, 0.0))
         clipped_ratio = ratio.clamp(1 - args.epsilon, 1 + args.epsilon_high)
         per_token_loss = -torch.min(ratio * advantages, clipped_ratio * advantages)
-        if self.use_vllm:
+        sampled_by_vllm = "sampler_logps" in inputs
+        importance_weights = None
+        if sampled_by_vllm:
             log_gap = torch.where(active, old_logps - inputs["sampler_logps"], 0.0)
             if args.vllm_importance_sampling_correction:
-                per_token_loss = per_token_loss * log_gap.exp().clamp(max=args.vllm_importance_sampling_cap)
+                importance_weights = log_gap.exp().clamp(max=args.vllm_importance_sampling_cap)
+                per_token_loss = per_token_loss * importance_weights
         per_token_loss = torch.where(active, per_token_loss, 0.0)
 
-        if mode == "train":
+        if in_rollout:
             # Processes average their gradients, so each divides by its share of the step's global token count.
             normalizer = inputs["step_num_items"].clamp(min=1) / self.accelerator.num_processes
+        elif num_items_in_batch is not None:
+            normalizer = torch.as_tensor(num_items_in_batch, device=per_token_loss.device).clamp(min=1)
         else:
             normalizer = active.sum().clamp(min=1)
         loss = per_token_loss.sum() / normalizer
 
         with torch.no_grad():
-            is_low = (ratio < 1 - args.epsilon) & (advantages < 0) & active
-            is_high = (ratio > 1 + args.epsilon_high) & (advantages > 0) & active
             finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
-            stats = torch.stack(
-                [
-                    active.sum(),
-                    is_low.sum(),
-                    is_high.sum(),
-                    torch.where(active, -finite_delta, 0.0).sum(),
-                    (active & (delta > 0)).sum(),
-                    (inputs["loss_mask"].bool() & ~active).sum(),
-                    per_token_loss.detach().sum(),
-                    log_gap.abs().sum() if self.use_vllm else logps.new_zeros(()),
-                    torch.where(active, log_gap.exp(), 0.0).sum() if self.use_vllm else logps.new_zeros(()),
-                ]
-            ).float()
-            extremes = self._sampling_extremes(log_gap, active) if self.use_vllm else None
-            if mode == "train":
-                self._step_stats = stats if self._step_stats is None else self._step_stats + stats
+            # Sums over this micro-batch's tokens, reduced over micro-batches and processes before they are logged
+            stats = {
+                "tokens": active.sum(),
+                "clip_low": ((ratio < 1 - args.epsilon) & (advantages < 0) & active).sum(),
+                "clip_high": ((ratio > 1 + args.epsilon_high) & (advantages > 0) & active).sum(),
+                "negative_delta": torch.where(active, -finite_delta, 0.0).sum(),
+                "positive_delta": (active & (delta > 0)).sum(),
+                "nonfinite": (inputs["loss_mask"].bool() & ~active).sum(),
+                "loss": per_token_loss.detach().sum(),
+                "entropy": torch.where(active, entropy, 0.0).sum(),
+            }
+            if sampled_by_vllm:
+                stats["log_gap"] = log_gap.abs().sum()
+                stats["sampling_ratio"] = torch.where(active, log_gap.exp(), 0.0).sum()
+            stats = {name: value.float() for name, value in stats.items()}
+            extremes = self._sampling_extremes(log_gap, active) if sampled_by_vllm else None
+            # Under vLLM the tokens were drawn by the sampler: X_t weighted by the loss's truncated ratio pi_old /
+            # pi_vllm estimates the TV under pi_old again (docs/method.md).
+            if in_rollout:
+                self._step_stats = _add_stats(self._step_stats, stats)
                 if extremes is not None:
                     previous = self._step_extremes
                     self._step_extremes = extremes if previous is None else torch.maximum(previous, extremes)
                 self._step_abs_delta.append(finite_delta[active].abs())
+                first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
                 if first_pass:
-                    u, n = tv_estimate(teacher_logps, old_logps, rollout_active)
+                    u, n = tv_estimate(teacher_logps, old_logps, rollout_active, weights=importance_weights)
                     tv_sums = torch.stack([u.float(), n.float()])
                     self._rollout_tv = tv_sums if self._rollout_tv is None else self._rollout_tv + tv_sums
                     if "exact_tv" in inputs:
@@ -794,12 +945,16 @@ class TVOPDTrainer(DistillationTrainer):
                         previous = self._rollout_exact_tv
                         self._rollout_exact_tv = exact if previous is None else previous + exact
             else:
-                self._log_step_metrics("eval", self.accelerator.reduce(stats, reduction="sum"), extremes)
-                u, n = tv_estimate(teacher_logps, old_logps, active)
+                self._log_step_metrics(mode, self._reduce_stats(stats), extremes)
+                u, n = tv_estimate(teacher_logps, old_logps, active, weights=importance_weights)
                 u, n = self.accelerator.reduce(torch.stack([u.float(), n.float()]), reduction="sum").tolist()
-                self._metrics["eval"]["tv/estimate"].append(u / n if n > 0 else float("nan"))
+                self._metrics[mode]["tv/estimate"].append(u / n if n > 0 else float("nan"))
 
         return (loss, None) if return_outputs else loss
+
+    def _reduce_stats(self, stats):
+        values = self.accelerator.reduce(torch.stack(list(stats.values())), reduction="sum").tolist()
+        return dict(zip(stats, values, strict=True))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Around the optimizer step: skip non-finite gradients, then update the scheduler and log
@@ -819,7 +974,11 @@ class TVOPDTrainer(DistillationTrainer):
         self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
 
     def training_step(self, model, inputs, num_items_in_batch):
-        if self.is_deepspeed_enabled and self._step % self.args.gradient_accumulation_steps == 0:
+        if (
+            self.args.log_update_norm
+            and self.is_deepspeed_enabled
+            and self._step % self.args.gradient_accumulation_steps == 0
+        ):
             self._snapshot_parameters()  # DeepSpeed steps inside the last micro-batch's backward: snapshot before
         return super().training_step(model, inputs, num_items_in_batch)
 
@@ -836,41 +995,41 @@ class TVOPDTrainer(DistillationTrainer):
         return grad_norm
 
     def _prepare_optimizer_step(self):
-        if not self.is_deepspeed_enabled:
+        if self.args.log_update_norm and not self.is_deepspeed_enabled:
             # After the backward, so that the copy never sits beside the activations and the LM head's tiles
             self._snapshot_parameters()
-        # AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate.
+        # AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate. Decoupled weight
+        # decay shrinks by lr * weight_decay: it is divided by c_k for the step, so that, as with c_k on the advantage,
+        # only the teacher's signal is scaled (docs/method.md).
         if self.args.tv_scale_target == "learning_rate":
-            self._unscaled_learning_rates = [group["lr"] for group in self.optimizer.param_groups]
-            for group in self.optimizer.param_groups:
-                group["lr"] *= self._rollout_scale
+            scale = self._rollout_scale
+            groups = self.optimizer.param_groups
+            self._unscaled_param_groups = [(group["lr"], group.get("weight_decay")) for group in groups]
+            for group in groups:
+                group["lr"] *= scale
+                if group.get("weight_decay") and _decouples_weight_decay(self.optimizer, group):
+                    group["weight_decay"] /= scale
 
     def _finish_optimizer_step(self):
-        if self._unscaled_learning_rates is not None:
-            for group, learning_rate in zip(self.optimizer.param_groups, self._unscaled_learning_rates, strict=True):
+        if self._unscaled_param_groups is not None:
+            for group, (learning_rate, decay) in zip(
+                self.optimizer.param_groups, self._unscaled_param_groups, strict=True
+            ):
                 group["lr"] = learning_rate
-            self._unscaled_learning_rates = None
-        device = self.accelerator.device
-        parameters = self._trainable_parameters()
-        # In place: the snapshot is dropped right after, and no parameter-sized temporaries join the live gradients.
-        squared_update = sum(
-            torch.linalg.vector_norm(before.sub_(self._local_tensor(p).detach()), dtype=torch.float32).square()
-            for p, before in zip(parameters, self._params_before_step, strict=True)
-        )
-        squared_update = torch.as_tensor(squared_update, device=device, dtype=torch.float32)
-        if any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in parameters):
-            squared_update = self.accelerator.reduce(squared_update, reduction="sum")  # shards add up; replicas don't
-        self._params_before_step = None
+                if decay is not None:
+                    group["weight_decay"] = decay
+            self._unscaled_param_groups = None
         metrics = self._metrics["train"]
-        metrics["update/norm"].append(squared_update.sqrt().item())
+        if self.args.log_update_norm:
+            metrics["update/norm"].append(self._update_norm())
+        device = self.accelerator.device
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
         metrics["tv/scale"].append(self._rollout_scale)
 
         if self._step_stats is not None:
-            stats = self.accelerator.reduce(self._step_stats, reduction="sum")
-            self._log_step_metrics("train", stats, self._step_extremes)
+            self._log_step_metrics("train", self._reduce_stats(self._step_stats), self._step_extremes)
         abs_delta = torch.cat(self._step_abs_delta) if self._step_abs_delta else torch.zeros(0, device=device)
         abs_delta = self.accelerator.gather(self.accelerator.pad_across_processes(abs_delta, pad_index=-1))
         for name, value in advantage_dispersion(abs_delta[abs_delta >= 0]).items():
@@ -882,6 +1041,19 @@ class TVOPDTrainer(DistillationTrainer):
         scheduler = self._tv_scheduler
         metrics["tv/ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
         metrics["tv/reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
+
+    def _update_norm(self):
+        parameters = self._trainable_parameters()
+        # In place: the snapshot is dropped right after, and no parameter-sized temporaries join the live gradients.
+        squared_update = sum(
+            torch.linalg.vector_norm(before.sub_(self._local_tensor(p).detach()), dtype=torch.float32).square()
+            for p, before in zip(parameters, self._params_before_step, strict=True)
+        )
+        squared_update = torch.as_tensor(squared_update, device=self.accelerator.device, dtype=torch.float32)
+        if any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in parameters):
+            squared_update = self.accelerator.reduce(squared_update, reduction="sum")  # shards add up; replicas don't
+        self._params_before_step = None
+        return squared_update.sqrt().item()
 
     def _finish_rollout(self):
         metrics = self._metrics["train"]
@@ -911,19 +1083,20 @@ class TVOPDTrainer(DistillationTrainer):
         return torch.stack([gap.abs().max(), -ratio.min(), ratio.max()]).float()
 
     def _log_step_metrics(self, mode, stats, extremes=None):
-        (count, low, high, neg_delta, positive, nonfinite, loss_sum, log_gap, is_ratio) = stats.tolist()
         metrics = self._metrics[mode]
+        count = stats["tokens"]
         ratio = (lambda value: value / count) if count > 0 else (lambda value: float("nan"))
-        metrics["clip_ratio/low"].append(ratio(low))
-        metrics["clip_ratio/high"].append(ratio(high))
-        metrics["kl/reverse_estimate"].append(ratio(neg_delta))
-        metrics["advantage/positive_fraction"].append(ratio(positive))
-        metrics["tv/nonfinite_tokens"].append(nonfinite)
-        metrics["policy_loss"].append(ratio(loss_sum))
-        if self.use_vllm:
+        metrics["clip_ratio/low"].append(ratio(stats["clip_low"]))
+        metrics["clip_ratio/high"].append(ratio(stats["clip_high"]))
+        metrics["kl/reverse_estimate"].append(ratio(stats["negative_delta"]))
+        metrics["advantage/positive_fraction"].append(ratio(stats["positive_delta"]))
+        metrics["tv/nonfinite_tokens"].append(stats["nonfinite"])
+        metrics["policy_loss"].append(ratio(stats["loss"]))
+        metrics["entropy"].append(ratio(stats["entropy"]))
+        if "log_gap" in stats:
             # TRL GRPO's names for the sampler / trainer mismatch; the ratio is pi_old / pi_vllm, before its cap.
-            metrics["sampling/sampling_logp_difference/mean"].append(ratio(log_gap))
-            metrics["sampling/importance_sampling_ratio/mean"].append(ratio(is_ratio))
+            metrics["sampling/sampling_logp_difference/mean"].append(ratio(stats["log_gap"]))
+            metrics["sampling/importance_sampling_ratio/mean"].append(ratio(stats["sampling_ratio"]))
             if extremes is not None:
                 max_gap, neg_min_ratio, max_ratio = self.accelerator.gather(extremes[None]).max(dim=0).values.tolist()
                 finite = count > 0

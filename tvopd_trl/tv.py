@@ -20,7 +20,9 @@ import torch
 from .advantages import token_delta
 
 
-def tv_estimate(teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor):
+def tv_estimate(
+    teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+):
     """
     Pooled on-policy TV estimate of one batch, as a numerator and a token count.
 
@@ -29,12 +31,18 @@ def tv_estimate(teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torc
     never exponentiates a large positive log-ratio and keeps precision near zero. Non-finite tokens (NaN, +inf) are
     left out of both sums; delta = -inf gives X = 1.
 
+    `weights` (`(B, T)`, optional) multiplies each X_t: for tokens drawn from a sampler other than pi_old (vLLM), the
+    importance ratio pi_old / pi_sampler (truncated, as in the loss) makes the sum an estimate under pi_old again. The
+    count stays the number of tokens.
+
     Returns:
         `tuple[torch.Tensor, torch.Tensor]`: float32 sum of X over active tokens, and the int64 active-token count.
         Sum both over micro-batches and processes before dividing: the estimate pools tokens.
     """
     delta, active = token_delta(teacher_logps, old_logps, mask)
     x = -torch.expm1(delta.clamp(max=0.0))
+    if weights is not None:
+        x = x * weights
     return torch.where(active, x, 0.0).sum(), active.sum()
 
 
