@@ -12,8 +12,9 @@ class StandInVLLMGeneration:
     """Answers `generate` like TRL's `VLLMGeneration` with `logprobs=0`: it samples with the student through
     transformers and reports each sampled token's log-probability shifted by `offset`, a known sampler mismatch."""
 
-    def __init__(self, model, tokenizer, offset, max_new_tokens=6):
+    def __init__(self, model, tokenizer, offset, max_new_tokens=6, missing_first=False):
         self.model, self.tokenizer, self.offset, self.max_new_tokens = model, tokenizer, offset, max_new_tokens
+        self.missing_first = missing_first  # report the first token's log-probability as None (vLLM's NaN)
         self.syncs = 0
         self.logprobs = None
 
@@ -41,17 +42,21 @@ class StandInVLLMGeneration:
             token_logps = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])
             completion_ids.append(completion)
             logprobs.append([[value - self.offset] for value in token_logps.squeeze(-1).tolist()])
+            if self.missing_first:
+                logprobs[-1][0] = [None]
         return prompts, completion_ids, logprobs, None
 
 
-def vllm_trainer(make_trainer, tokenizer, output_dir, offset, **overrides):
+def vllm_trainer(make_trainer, tokenizer, output_dir, offset, missing_first=False, **overrides):
     trainer = make_trainer(
         tiny_config(output_dir, **overrides),
     )
     # What `use_vllm=True` sets up when vLLM is installed, with the engine replaced by the stand-in.
     trainer.use_vllm = True
     trainer._last_loaded_step = -1
-    trainer.vllm_generation = StandInVLLMGeneration(trainer.accelerator.unwrap_model(trainer.model), tokenizer, offset)
+    trainer.vllm_generation = StandInVLLMGeneration(
+        trainer.accelerator.unwrap_model(trainer.model), tokenizer, offset, missing_first=missing_first
+    )
     trainer.vllm_generation.logprobs = 0
     return trainer
 
@@ -84,6 +89,34 @@ def test_vllm_importance_correction_weights_the_loss(make_trainer, tokenizer, tm
     assert plain.abs() > 0
     # pi_old / pi_vllm = exp(offset) on every token, truncated at vllm_importance_sampling_cap = 3.
     assert (corrected / plain).item() == pytest.approx(expected_weight, rel=1e-4)
+
+
+def test_a_sampler_log_probability_vllm_did_not_give_drops_its_token(make_trainer, tokenizer, tmp_path):
+    trainer = vllm_trainer(make_trainer, tokenizer, tmp_path, offset=0.25, missing_first=True, max_steps=2)
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert torch.isnan(inputs["sampler_logps"][:, 0]).all() and torch.isfinite(inputs["sampler_logps"][:, 1:]).all()
+    trainer.train()
+    for entry in [entry for entry in trainer.state.log_history if "tv/scale" in entry]:
+        assert math.isfinite(entry["loss"]) and math.isfinite(entry["tv/estimate"])
+        assert entry["tv/nonfinite_tokens"] == 4  # one per completion, dropped and counted
+        assert entry["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(0.25), rel=1e-4)
+
+
+def test_vllm_tv_estimate_is_weighted_by_the_truncated_importance_ratio(make_trainer, tokenizer, tmp_path):
+    """The sampler's log-probabilities are log pi_old - log 2: each X_t counts twice, and the count is unchanged."""
+    trainer = vllm_trainer(make_trainer, tokenizer, tmp_path, offset=math.log(2.0))
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    sums = []
+    for correction in (True, False):
+        trainer.args.vllm_importance_sampling_correction = correction
+        trainer._rollout_tv = None
+        trainer.compute_loss(trainer.model, inputs)
+        sums.append(trainer._rollout_tv.tolist())
+    (weighted, count), (plain, plain_count) = sums
+    assert count == plain_count > 0 and plain > 0
+    assert weighted == pytest.approx(2.0 * plain, rel=1e-5)
 
 
 def test_bf16_autocast_reaches_the_loss_and_log_probs_stay_float32(make_trainer, tmp_path):

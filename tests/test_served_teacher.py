@@ -21,6 +21,9 @@ from .conftest import tiny_config
 class _VLLMStandIn(BaseHTTPRequestHandler):
     teacher = None
     requests = []
+    # With `fail_last_two`, each sequence's last position omits the actual token and the one before reports NaN: values
+    # a server failed to give.
+    fail_last_two = False
 
     def log_message(self, *args):
         pass
@@ -60,6 +63,9 @@ class _VLLMStandIn(BaseHTTPRequestHandler):
                 actual = sequence[position]
                 top.setdefault(actual, {"logprob": row[actual].item(), "rank": int((row > row[actual]).sum()) + 1})
                 entries.append({str(token): value for token, value in top.items()})
+            if type(self).fail_last_two:
+                entries[-1] = {str(t): v for t, v in entries[-1].items() if int(t) != sequence[-1]} or None
+                entries[-2][str(sequence[-2])]["logprob"] = math.nan
             choices.append({"text": "", "prompt_logprobs": entries})
         self._reply({"choices": choices})
 
@@ -73,6 +79,7 @@ def teacher_server(model_dirs, monkeypatch):
     monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
     _VLLMStandIn.teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"]).eval()
     _VLLMStandIn.requests = []
+    _VLLMStandIn.fail_last_two = False
     server = ThreadingHTTPServer(("127.0.0.1", 0), _VLLMStandIn)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -106,6 +113,38 @@ def test_served_teacher_log_probs_are_the_teachers(make_trainer, teacher_server,
     (request,) = _VLLMStandIn.requests
     assert request["max_tokens"] == 1 and request["prompt_logprobs"] == 1 and request["temperature"] == 0.7
     assert request["model"] == "tiny-teacher" and len(request["prompt"]) == batch["completion_ids"].size(0)
+
+
+def test_values_the_server_failed_to_give_are_dropped_and_counted(make_trainer, teacher_server, tmp_path, tokenizer):
+    """TRL's client turns an omitted or NaN teacher log-probability into -inf; that is not the teacher ruling the
+    token out (X = 1, A = -c_k) but a missing value: the token leaves the loss and the TV estimate, and is counted."""
+    _VLLMStandIn.fail_last_two = True
+    trainer = served_trainer(make_trainer, teacher_server, tmp_path, tokenizer, max_completion_length=6)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    lengths = batch["completion_mask"].sum(1).tolist()
+    assert min(lengths) >= 2, "the check below needs two completion tokens per row"
+    missing = torch.zeros_like(batch["completion_mask"], dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        missing[row, length - 2 : length] = True
+    assert torch.isnan(batch["teacher_logps"][missing]).all()
+    assert torch.isfinite(batch["teacher_logps"][~missing]).all()
+
+    loss = trainer.compute_loss(trainer.model, batch)
+    assert torch.isfinite(loss)
+    kept = batch["completion_mask"].bool() & ~missing
+    assert trainer._step_stats["nonfinite"] == missing.sum() and trainer._step_stats["tokens"] == kept.sum()
+    delta = (
+        batch["teacher_logps"]
+        - trainer._sampled_token_logps(
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+            batch["completion_ids"].size(1),
+        ).detach()
+    )
+    u, n = trainer._rollout_tv.tolist()
+    assert n == kept.sum() and u == pytest.approx((-torch.expm1(delta[kept].clamp(max=0))).sum().item(), rel=1e-5)
 
 
 def test_training_with_a_served_teacher(make_trainer, teacher_server, tmp_path, tokenizer):

@@ -1,6 +1,7 @@
 """End-to-end tests of TVOPDTrainer on tiny Qwen2 models built from configs (CPU, one process)."""
 
 import copy
+import json
 import math
 
 import pytest
@@ -126,6 +127,10 @@ class RecordingTrainer(TVOPDTrainer):
                     "old_logps": inputs.get("old_logps"),
                     "mask": inputs["loss_mask"].clone(),
                     "prompt_len": inputs["prompt_mask"].sum(1).clone(),
+                    "batch": {
+                        key: inputs[key].clone()
+                        for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                    },
                 }
             )
         return loss
@@ -253,15 +258,23 @@ def test_two_iterations_reuse_rollouts_and_the_ppo_clip_bites(make_trainer, prom
     assert ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
 
 
-def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(make_trainer, tmp_path):
+def test_steps_per_generation_splits_one_rollout_over_optimizer_steps(make_trainer, model_dirs, tmp_path):
     args = tiny_config(tmp_path, steps_per_generation=2, max_steps=4, per_device_train_batch_size=2)
     trainer = make_trainer(args, trainer_class=RecordingTrainer)
+    initial_student = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
     trainer.train()
     logs = step_logs(trainer)
     assert [entry["tv/scale"] for entry in logs][0:2] == [1.0, 1.0]
     assert ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
-    # Two different halves of one rollout batch, both scored by the frozen pi_old before the first update.
-    assert all(record["old_logps"] is not None for record in trainer.recorded)
+    # Two different halves of one rollout batch, both scored by the frozen pi_old: the student before the first update,
+    # although the second half is trained on after it.
+    first, second = trainer.recorded[0], trainer.recorded[1]
+    assert not torch.equal(first["batch"]["completion_ids"], second["batch"]["completion_ids"])
+    for record in (first, second):
+        mask = record["batch"]["completion_mask"].bool()
+        with torch.no_grad():
+            want, _ = direct_sampled_logps(initial_student, record["batch"])
+        torch.testing.assert_close(record["old_logps"][mask], want[mask], rtol=1e-5, atol=1e-5)
     # The scheduler state is logged on every step (NaN, which TRL logs as None, before the first update).
     assert logs[0]["tv/ema"] is None and logs[1]["tv/ema"] == logs[2]["tv/ema"] == logs[1]["tv/estimate"]
 
@@ -374,6 +387,71 @@ def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(make_trainer, 
         assert {k: entry[k] for k in tv_keys} == {k: full_logs[entry["step"]][k] for k in tv_keys}
 
 
+@pytest.mark.parametrize(
+    "reuse, mode",
+    [({"steps_per_generation": 2, "per_device_train_batch_size": 2}, "tv"), ({"num_iterations": 2}, "shuffle")],
+)
+def test_resume_inside_a_rollout_batch_continues_it_exactly(make_trainer, tmp_path, reuse, mode):
+    """A checkpoint at step 3 falls inside the second rollout batch (steps 3 and 4): resuming from it must take the
+    same steps on the same tokens (same losses, shuffle permutations included) and update the scheduler after steps 2,
+    4 and 6, as the uninterrupted run does."""
+
+    def config(output_dir):
+        return tiny_config(
+            output_dir,
+            max_steps=6,
+            save_strategy="steps",
+            save_steps=3,
+            tv_ema_decay=0.5,
+            advantage_mode=mode,
+            learning_rate=3e-2,
+            **reuse,
+        )
+
+    full = make_trainer(config(tmp_path / "full"))
+    full.train()
+    assert (tmp_path / "full" / "checkpoint-3" / "rollout_state_0.pt").is_file()
+    assert not (tmp_path / "full" / "checkpoint-6" / "rollout_state_0.pt").exists()  # a rollout boundary
+    resumed = make_trainer(config(tmp_path / "full"))
+    resumed.args.output_dir = str(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+
+    full_logs = {entry["step"]: entry for entry in step_logs(full)}
+    resumed_logs = [entry for entry in step_logs(resumed) if entry["step"] > 3]
+    assert [entry["step"] for entry in resumed_logs] == [4, 5, 6]
+    assert [step for step, entry in full_logs.items() if "tv/estimate" in entry] == [2, 4, 6]
+    assert [entry["step"] for entry in resumed_logs if "tv/estimate" in entry] == [4, 6]
+    keys = ["loss", "tv/scale", "tv/estimate", "tv/ema", "tv/reference", "update/norm"]
+    for entry in resumed_logs:
+        want = full_logs[entry["step"]]
+        logged = [k for k in keys if want.get(k) is not None]
+        assert logged == [k for k in keys if entry.get(k) is not None]
+        assert {k: entry[k] for k in logged} == pytest.approx({k: want[k] for k in logged}, rel=1e-6), entry["step"]
+    # The scheduler each run wrote into its last checkpoint
+    saved = [
+        json.loads((tmp_path / run / "checkpoint-6" / "trainer_state.json").read_text())["stateful_callbacks"][
+            "TVScheduleCallback"
+        ]["args"]["scheduler_state"]
+        for run in ("full", "resumed")
+    ]
+    assert saved[0]["num_updates"] == saved[1]["num_updates"] == 3
+    assert saved[1] == pytest.approx(saved[0], rel=1e-9)
+
+
+def test_resume_inside_a_rollout_batch_refuses_a_checkpoint_it_cannot_continue(make_trainer, tmp_path):
+    args = tiny_config(tmp_path, max_steps=3, save_strategy="steps", save_steps=3, steps_per_generation=2)
+    make_trainer(args).train()
+    checkpoint = tmp_path / "checkpoint-3"
+    other = make_trainer(tiny_config(tmp_path, max_steps=4, steps_per_generation=2, per_device_train_batch_size=2))
+    with pytest.raises(ValueError, match="Resume with the settings it was saved with"):
+        other.train(resume_from_checkpoint=str(checkpoint))
+    (checkpoint / "rollout_state_0.pt").unlink()  # as from an older version
+    with pytest.raises(ValueError, match=r"inside a rollout batch of 2 optimizer steps .* multiple of 2 steps"):
+        make_trainer(tiny_config(tmp_path, max_steps=4, steps_per_generation=2)).train(
+            resume_from_checkpoint=str(checkpoint)
+        )
+
+
 def test_resuming_with_other_scheduler_settings_warns(make_trainer, tmp_path):
     def config(alpha, max_steps):
         return tiny_config(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1, tv_alpha=alpha)
@@ -389,9 +467,13 @@ def test_resume_restores_the_callback_from_the_checkpoint(make_trainer, tmp_path
     args = tiny_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     trainer = make_trainer(args)
     trainer.train()
-    saved = trainer.state.stateful_callbacks["TVScheduleCallback"]["args"]["scheduler_state"]
-    assert saved == trainer._tv_scheduler.state_dict() and saved["num_updates"] == 2
-    restored = TVScheduleCallback(**trainer.state.stateful_callbacks["TVScheduleCallback"]["args"])
+    on_disk = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    saved = on_disk["TVScheduleCallback"]["args"]
+    assert (
+        saved["scheduler_state"] == trainer._tv_scheduler.state_dict() and saved["scheduler_state"]["num_updates"] == 2
+    )
+    restored = TVScheduleCallback(**saved)
+    assert restored.scheduler.state_dict() == trainer._tv_scheduler.state_dict()
     assert restored.scheduler.scale == trainer._tv_scheduler.scale
 
 
@@ -482,10 +564,17 @@ def test_config_defaults(tmp_path):
     assert (clip.advantage_clip_low, clip.advantage_clip_high) == (-5.0, 5.0)
 
 
-def test_vopd_uses_the_exact_reverse_kl(make_trainer, tmp_path):
-    trainer = make_trainer(tiny_config(tmp_path, advantage_mode="vopd"))
+@pytest.mark.parametrize("per_device_train_batch_size", [4, 1])  # the rollout's 4 rows in one chunk, or in 4
+def test_vopd_uses_the_exact_reverse_kl(make_trainer, tmp_path, per_device_train_batch_size):
+    batches = {
+        "per_device_train_batch_size": per_device_train_batch_size,
+        "steps_per_generation": 4 // per_device_train_batch_size,
+    }
+    trainer = make_trainer(tiny_config(tmp_path, advantage_mode="vopd", **batches))
     trainer.model.train()
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    rows = trainer._buffered_inputs  # the whole rollout, back in one piece
+    inputs = {key: torch.cat([batch[key] for batch in rows]) for key, value in rows[0].items() if value.dim() > 0}
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     completion_len = inputs["completion_ids"].size(1)
@@ -528,3 +617,202 @@ def test_an_iterable_dataset_feeds_rollout_batches(make_trainer, prompts, tmp_pa
     logs = step_logs(trainer)
     assert len(logs) == 4 and ["tv/estimate" in entry for entry in logs] == [False, True, False, True]
     assert all(record["old_logps"] is not None for record in trainer.recorded)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The teacher: evaluation mode and tokenizer checks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_teacher_passed_in_train_mode_with_dropout_scores_deterministically(make_trainer, model_dirs, tmp_path):
+    teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"], attention_dropout=0.5)
+    teacher.train()
+    trainer = make_trainer(tiny_config(tmp_path), teacher_model=teacher)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    generated = {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    first = trainer._score_completions(dict(generated))["teacher_logps"]
+    teacher.train()  # whatever happens to it between rollouts (a callback, a user's code)
+    second = trainer._score_completions(dict(generated))["teacher_logps"]
+    assert torch.equal(first, second) and torch.equal(first, batch["teacher_logps"])
+    assert not teacher.training
+
+
+def test_a_teacher_named_by_hub_id_has_its_tokenizer_compared(
+    make_trainer, tokenizer, model_dirs, monkeypatch, tmp_path
+):
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<extra>"])
+    loaded = []
+
+    def from_pretrained(source, **kwargs):
+        loaded.append(source)
+        if source == "some-org/teacher":
+            return other
+        raise OSError(f"{source} is not a local folder and the Hub is unreachable")
+
+    monkeypatch.setattr("tvopd_trl.trainer.AutoTokenizer.from_pretrained", from_pretrained)
+    # A mismatch is an error, before any model loads (the id does not exist as a model anywhere)
+    with pytest.raises(ValueError, match="vocabularies differ"):
+        make_trainer(tiny_config(tmp_path), teacher_model="some-org/teacher")
+    assert loaded == ["some-org/teacher"]
+    # Only a teacher whose tokenizer cannot be loaded at all falls back to the warning
+    with pytest.warns(UserWarning, match="teacher's tokenizer is unknown, so only vocab_size was compared"):
+        make_trainer(tiny_config(tmp_path), teacher_model=AutoModelForCausalLM.from_pretrained(model_dirs["teacher"]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loss against the direct formula, with c_k != 1, and called the way TRL calls it
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def direct_sampled_logps(model, inputs):
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    completion_len = inputs["completion_ids"].size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -completion_len - 1 : -1]
+    log_p = torch.log_softmax(logits.float(), -1)
+    return log_p.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1), log_p
+
+
+@pytest.mark.parametrize("mode", ["tv", "sign", "relative_power"])
+def test_loss_and_gradient_match_the_direct_formula_with_a_scale_below_one(make_trainer, tmp_path, mode):
+    trainer = make_trainer(tiny_config(tmp_path, advantage_mode=mode))
+    scheduler = trainer._tv_scheduler
+    scheduler.load_state_dict({"ema": 0.04, "reference": 0.16, "num_updates": 5})
+    assert scheduler.scale == pytest.approx(0.5, rel=1e-3)  # sqrt((0.04 + eps) / (0.16 + eps))
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    loss = trainer.compute_loss(trainer.model, inputs)
+    grads = torch.autograd.grad(loss, params)
+    assert trainer._rollout_scale == scheduler.scale
+
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    logps, _ = direct_sampled_logps(student, inputs)
+    mask = inputs["completion_mask"].bool()
+    delta = (inputs["teacher_logps"] - logps.detach()) * mask
+    sign = torch.sign(delta)
+    if mode == "tv":
+        advantage = scheduler.scale * sign
+    elif mode == "sign":
+        advantage = sign
+    else:  # z * S * R^beta / mean(R^beta), per sequence
+        magnitude = delta.abs()
+        s = magnitude.sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+        r_beta = torch.where(mask, (magnitude / s) ** 0.4, 0.0)
+        advantage = sign * s * r_beta / (r_beta.sum(1, keepdim=True) / mask.sum(1, keepdim=True))
+    expected = -(advantage * torch.exp(logps - logps.detach()) * mask).sum() / mask.sum()
+    expected_grads = torch.autograd.grad(expected, params)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_compute_loss_accepts_a_generated_batch_alone_as_trl_calls_it(make_trainer, tmp_path):
+    """TRL's tests and custom loops call `compute_loss(model, batch)` with the four generation keys only: the teacher
+    is scored on the spot and the loss is the token mean, or the sum over `num_items_in_batch`."""
+    trainer = make_trainer(tiny_config(tmp_path, advantage_mode="raw"))
+    trainer.model.train()
+    full = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    batch = {key: full[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    loss = trainer.compute_loss(trainer.model, batch)
+
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    logps, log_q = direct_sampled_logps(student, batch)
+    with torch.no_grad():
+        teacher_logps, _ = direct_sampled_logps(teacher, batch)
+    mask = batch["completion_mask"].bool()
+    per_token = -((teacher_logps - logps.detach()) * mask)
+    torch.testing.assert_close(loss, per_token.sum() / mask.sum(), rtol=1e-5, atol=1e-6)
+    summed = trainer.compute_loss(trainer.model, batch, num_items_in_batch=torch.tensor(7))
+    torch.testing.assert_close(summed, per_token.sum() / 7, rtol=1e-5, atol=1e-6)
+    # A standalone call is logged at once (like TRL), entropy included, and never touches the rollout accumulators
+    metrics = trainer._metrics["train"]
+    entropy = -(log_q.exp() * log_q).sum(-1)
+    assert metrics["entropy"][-1] == pytest.approx(entropy[mask].mean().item(), rel=1e-5)
+    assert trainer._step_stats is None and trainer._rollout_tv is None
+
+
+def test_entropy_is_logged_over_active_completion_tokens(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=1, gradient_accumulation_steps=2, learning_rate=0.0))
+    batches = []
+    original = trainer.compute_loss
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        batches.append(inputs)
+        return original(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = compute_loss
+    trainer.train()
+    student = trainer.accelerator.unwrap_model(trainer.model)
+    total = count = 0.0
+    with torch.no_grad():
+        for inputs in batches:
+            _, log_q = direct_sampled_logps(student, inputs)
+            mask = inputs["completion_mask"].bool()
+            total += (-(log_q.exp() * log_q).sum(-1))[mask].sum().item()
+            count += mask.sum().item()
+    (entry,) = step_logs(trainer)
+    assert entry["entropy"] == pytest.approx(total / count, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Around the optimizer step: the update-norm copy and the learning-rate target's weight decay
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_without_log_update_norm_no_parameter_copy_is_taken(make_trainer, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=2, log_update_norm=False))
+
+    def snapshot():
+        raise AssertionError("a parameter copy was taken")
+
+    monkeypatch.setattr(trainer, "_snapshot_parameters", snapshot)
+    before = parameters(trainer.model)
+    trainer.train()
+    logs = step_logs(trainer)
+    assert len(logs) == 2 and all("update/norm" not in entry for entry in logs)
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "sgd"])
+def test_the_learning_rate_target_leaves_decoupled_weight_decay_unscaled(make_trainer, tmp_path, optim):
+    """With no gradient signal, one AdamW step only decays the weights: by lr * weight_decay whatever c_k is. SGD's
+    weight decay is part of the gradient, so it scales with the step (documented)."""
+    trainer = make_trainer(
+        tiny_config(tmp_path, tv_scale_target="learning_rate", optim=optim, weight_decay=0.1, learning_rate=0.01)
+    )
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    trainer.optimizer = trainer.accelerator.prepare(trainer.optimizer)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    before = [p.detach().clone() for p in params]
+    trainer._rollout_scale = 0.25
+    trainer._prepare_optimizer_step()
+    trainer.optimizer.step()
+    trainer._finish_optimizer_step()
+    decayed = [group for group in trainer.optimizer.param_groups if group["weight_decay"] > 0]
+    assert decayed and all(group["lr"] == 0.01 and group["weight_decay"] == 0.1 for group in decayed)  # restored
+    decayed_params = {id(p) for group in decayed for p in group["params"]}
+    factor = 1 - 0.01 * 0.1 * (1.0 if optim == "adamw_torch" else 0.25)
+    for p, old in zip(params, before, strict=True):
+        want = old * factor if id(p) in decayed_params else old
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Settings that break the estimator's assumptions warn
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_dropout_left_on_warns(tmp_path):
+    with pytest.warns(UserWarning, match="disable_dropout=False: with dropout on"):
+        tiny_config(tmp_path, disable_dropout=False)
+
+
+def test_bf16_on_cpu_warns_and_names_the_fix(make_trainer, tmp_path):
+    with pytest.warns(UserWarning, match="bf16=True on CPU.*Set bf16=False"):
+        make_trainer(tiny_config(tmp_path, bf16=True))

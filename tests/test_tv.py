@@ -115,6 +115,32 @@ def test_tv_estimate_pools_sum_and_count_over_a_batch():
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("cap, expected", [(math.inf, "tv"), (1.5, "truncated")])
+def test_importance_weights_make_a_different_samplers_tokens_estimate_the_tv_under_pi_old(cap, expected):
+    """Tokens drawn from a sampler s != pi_old (vLLM): the batch holds every token exactly in proportion to s (s has
+    rational probabilities), so sum / count is the exact expectation E_s[w X] (to float32 rounding). With w = pi_old / s it is the TV
+    between pi_old and the teacher; truncated at `cap`, E_s[min(pi_old / s, cap) X]; unweighted, E_s[X], biased."""
+    old = [0.5, 0.2, 0.2, 0.1]
+    teacher = [0.1, 0.3, 0.2, 0.4]
+    sampler = [Fraction(1, 10), Fraction(2, 10), Fraction(3, 10), Fraction(4, 10)]
+    tokens = [token for token, share in enumerate(sampler) for _ in range(int(share * 10))]
+
+    def logps(distribution):
+        return torch.tensor([[math.log(distribution[t]) for t in tokens]], dtype=torch.float64)
+
+    ratio = torch.exp(logps(old) - logps([float(x) for x in sampler])).clamp(max=cap)
+    u, n = tv_estimate(logps(teacher), logps(old), torch.ones(1, len(tokens)), weights=ratio)
+    x = [max(0.0, 1 - teacher[v] / old[v]) for v in range(4)]
+    if expected == "tv":
+        assert float(u) / int(n) == pytest.approx(exact_tv(old, teacher), abs=1e-6)
+    else:
+        want = sum(float(s) * min(old[v] / float(s), cap) * x[v] for v, s in enumerate(sampler))
+        assert float(u) / int(n) == pytest.approx(want, abs=1e-6)
+    unweighted, _ = tv_estimate(logps(teacher), logps(old), torch.ones(1, len(tokens)))
+    assert float(unweighted) / int(n) == pytest.approx(sum(float(s) * x[v] for v, s in enumerate(sampler)), abs=1e-6)
+    assert abs(float(unweighted) / int(n) - exact_tv(old, teacher)) > 0.1  # the bias the weights remove
+
+
 def test_eos_example_ratio_estimator():
     log = math.log
     # Rollout 1: EOS sampled at position 1 (teacher 1/4, student 1/2), position 2 is padding.
