@@ -12,6 +12,8 @@ N(0, 0.02)):
     trl_fused_completion the same kernel on the B x T completion positions only (what its Triton path projects)
     lean_chunked         `tvopd_trl.chunked_logprob` (what `TVOPDTrainer._sampled_token_logps` runs on CPU, and
                          bench_floor.py's head) on the B x T completion positions
+    lean_chunked_entropy the same, also returning each position's entropy (what the loss pass runs, for `entropy`)
+    trl_fused_entropy    `trl_fused_completion` with `outputs=("log_probs", "entropy")` (the loss pass on GPU)
     trl_divergence       TRL's `ChunkedDivergenceFunction` (DistillationTrainer's loss), beta = 1, on B x T positions,
                          the teacher's hidden states and head without gradient
 
@@ -47,15 +49,29 @@ def kernels(hidden_size, vocab):
             hidden, student_weight, None, targets, 1.0, CHUNK, None, 1.0, ("log_probs",)
         )[0]
 
+    def trl_fused_entropy(hidden, targets):
+        return ChunkedLogProbFunction.apply(
+            hidden, student_weight, None, targets, 1.0, CHUNK, None, 1.0, ("log_probs", "entropy")
+        )[0]
+
     def lean(hidden, targets):
         return ChunkedSampledLogProb.apply(hidden, student_weight, None, targets, 1.0, CHUNK)[0]
+
+    def lean_entropy(hidden, targets):
+        return ChunkedSampledLogProb.apply(hidden, student_weight, None, targets, 1.0, CHUNK, True)[0]
 
     def divergence(hidden, targets):
         teacher_hidden = torch.randn_like(hidden.detach())
         args = (hidden, student_weight, None, teacher_hidden, teacher_weight, None, 1.0, 1.0, 1.0, None, 1.0, None)
         return ChunkedDivergenceFunction.apply(*args)[0]
 
-    return student_weight, {"trl_fused": trl_fused, "lean_chunked": lean, "trl_divergence": divergence}
+    return student_weight, {
+        "trl_fused": trl_fused,
+        "trl_fused_entropy": trl_fused_entropy,
+        "lean_chunked": lean,
+        "lean_chunked_entropy": lean_entropy,
+        "trl_divergence": divergence,
+    }
 
 
 def measure(fn, weight, rows, hidden_size, vocab):
@@ -87,7 +103,9 @@ def main():
     variants = [
         ("trl_fused_all", fns["trl_fused"], all_rows),
         ("trl_fused_completion", fns["trl_fused"], completion_rows),
+        ("trl_fused_entropy", fns["trl_fused_entropy"], completion_rows),
         ("lean_chunked", fns["lean_chunked"], completion_rows),
+        ("lean_chunked_entropy", fns["lean_chunked_entropy"], completion_rows),
         ("trl_divergence", fns["trl_divergence"], completion_rows),
     ]
     for _, fn, rows in variants:  # warm-up, untimed

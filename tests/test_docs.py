@@ -156,7 +156,7 @@ METRIC = re.compile(rf"(?:eval_)?(?:{'|'.join(METRIC_GROUPS)})/[\w/@*<>]+|(?:eva
 def _logged_metrics():
     """The metric names TVOPDTrainer records (its source is the source of truth), and those TRL's base trainer adds."""
     names = "|".join(METRIC_GROUPS[:-1])
-    ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss)"', inspect.getsource(trainer_module)))
+    ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', inspect.getsource(trainer_module)))
     assert 'f"advantage/{name}"' in inspect.getsource(trainer_module)
     ours |= {f"advantage/{name}" for name in advantage_dispersion(torch.zeros(0))}
     from trl.trainer import distillation_trainer
@@ -200,6 +200,8 @@ def _fields(*classes):
 # snake_case names in the pages that are not config fields: API names, tensors, TRL functions.
 OTHER_NAMES = {
     "compute_advantages",
+    "decoupled_weight_decay",
+    "extract_logprobs",
     "tv_estimate",
     "teacher_processing_class",
     "old_logps",
