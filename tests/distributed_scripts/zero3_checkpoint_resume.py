@@ -1,4 +1,5 @@
-"""2-process DeepSpeed ZeRO-3 on CPU with the embedded pair: train with a checkpoint, then resume from it.
+"""2-process DeepSpeed ZeRO-3 on CPU with the embedded pair: train with a checkpoint inside a rollout batch (each
+rollout batch feeds 2 optimizer steps, the checkpoint falls after the first of them), then resume from it.
 
     DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate_configs/zero3_cpu.yaml \
         zero3_checkpoint_resume.py OUTPUT_DIR
@@ -18,7 +19,9 @@ from tvopd_trl import TVOPDConfig
 from tvopd_trl.testing import tiny_pair_trainer
 
 
-CHECKPOINT_STEP = 2
+STEPS_PER_GENERATION = 2
+CHECKPOINT_STEP = 3  # between the two steps of the second rollout batch
+MAX_STEPS = 4
 
 
 def partition(model):
@@ -50,6 +53,7 @@ def make_trainer(output_dir, max_steps):
         ddp_backend="gloo",  # DeepSpeed's process group on CPU (see zero3_cpu.yaml)
         bf16=False,
         per_device_train_batch_size=4,
+        steps_per_generation=STEPS_PER_GENERATION,
         max_steps=max_steps,
         max_completion_length=8,
         learning_rate=1e-3,
@@ -77,7 +81,7 @@ def make_trainer(output_dir, max_steps):
 
 def main(output_dir):
     skip_deepspeed_shm_op()
-    trainer, _ = make_trainer(output_dir, max_steps=CHECKPOINT_STEP + 1)
+    trainer, _ = make_trainer(output_dir, max_steps=MAX_STEPS)
     trainer.train()
     assert type(trainer.model_wrapped).__name__ == "DeepSpeedEngine", type(trainer.model_wrapped)
     assert type(trainer.teacher_model).__name__ == "DeepSpeedEngine", type(trainer.teacher_model)
@@ -86,10 +90,12 @@ def main(output_dir):
         "teacher": partition(trainer.accelerator.unwrap_model(trainer.teacher_model)),
         "logs": [entry for entry in trainer.state.log_history if "tv/scale" in entry],
         "scheduler": trainer._tv_scheduler.state_dict(),
+        # DeepSpeed's engine keeps its own `training` flag stale: ask the modules it wraps
+        "teacher_training": any(m.training for m in trainer.accelerator.unwrap_model(trainer.teacher_model).modules()),
     }
 
     checkpoint = os.path.join(output_dir, f"checkpoint-{CHECKPOINT_STEP}")
-    resumed, start = make_trainer(os.path.join(output_dir, "resumed"), max_steps=CHECKPOINT_STEP + 1)
+    resumed, start = make_trainer(os.path.join(output_dir, "resumed"), max_steps=MAX_STEPS)
     resumed.train(resume_from_checkpoint=checkpoint)
     result["resumed"] = {
         "scheduler_at_train_begin": start.state,
