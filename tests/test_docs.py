@@ -214,6 +214,13 @@ OTHER_NAMES = {
     "grad_norm",  # TRL's metric
     "vocab_size",  # a model config's
     "accelerate_config",  # a recipe key that `tvopd-trl train` passes to `accelerate launch`
+    "teacher_model",  # the trainer's argument
+    "num_items_in_batch",  # `compute_loss`'s argument
+    "logit_scale",  # model config attributes
+    "final_logit_softcapping",
+    "eval_loss",  # TRL's metrics
+    "num_tokens",
+    "step_time",
 }
 
 

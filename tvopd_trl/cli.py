@@ -73,6 +73,36 @@ def _accelerate_launch_args(config_remaining, cli_remaining):
     return resolve_accelerate_config_argument(flags)
 
 
+def _fill_launch_defaults(launch, training_args):
+    """Passes `accelerate launch` (its parsed arguments, `launch`) the values it would otherwise default to, and warn
+    about ("The following values were not passed to `accelerate launch` and had defaults used instead"), without
+    changing what it does: one machine, no dynamo, the recipe's mixed precision (`bf16`/`fp16`, which the Trainer uses
+    whatever the launcher says) and one process where accelerate would start one anyway. Whatever the user passed
+    wins, and so does an accelerate config file (`--accelerate_config`, or the default one `accelerate config`
+    writes): then nothing is filled in, and accelerate does not warn."""
+    import os
+
+    import torch
+    from accelerate.commands.config import default_config_file
+
+    if launch.config_file is not None or (os.path.isfile(default_config_file) and not launch.cpu):
+        return launch
+    if launch.num_machines is None:
+        launch.num_machines = 1
+    if launch.dynamo_backend is None:
+        launch.dynamo_backend = "no"
+    if launch.mixed_precision is None:
+        launch.mixed_precision = "fp16" if training_args.fp16 else "bf16" if training_args.bf16 else "no"
+    # Without a count, accelerate starts one process per accelerator device (one process without a device), or the
+    # device count for a distributed mode; several devices also get a notice worth reading. Only the one-process case
+    # is filled in. `--cpu` keeps accelerate's choice too: a count of 1 would switch on its CPU-thread heuristic.
+    devices = torch.accelerator.device_count()
+    modes = ("multi_gpu", "use_deepspeed", "use_fsdp", "use_megatron_lm", "tpu", "cpu")
+    if launch.num_processes is None and devices <= 1 and not any(getattr(launch, mode, False) for mode in modes):
+        launch.num_processes = 1
+    return launch
+
+
 COMMANDS = {
     "train": "run the TV-OPD main job",
     "eval": "evaluate a model or a run's checkpoints on benchmarks",
@@ -119,7 +149,7 @@ def main(argv=None) -> int:
     # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both fail
     # here, on bad input, before any process starts or any model loads.
     try:
-        *_, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
+        _, training_args, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
             script_argv, return_remaining_strings=True, separate_remaining_strings=True
         )
         check_launch_options(config_remaining + cli_remaining)
@@ -128,7 +158,8 @@ def main(argv=None) -> int:
         print(f"tvopd-trl train: error: {error}", file=sys.stderr)
         return 2
     script_args = _subtract_subsequence(script_argv, cli_remaining)
-    launch_command(launch_command_parser().parse_args([*launch_args, "-m", "tvopd_trl.scripts.train", *script_args]))
+    launch = launch_command_parser().parse_args([*launch_args, "-m", "tvopd_trl.scripts.train", *script_args])
+    launch_command(_fill_launch_defaults(launch, training_args))
     return 0
 
 

@@ -42,7 +42,10 @@ EXAMPLES = {
         [
             "Runs `tvopd_trl.scripts.train` through `accelerate launch`. A recipe key or flag that the script does not "
             "know (`--num_processes`, `--accelerate_config zero3`, ...) goes to `accelerate launch`; flags after "
-            "`--config` override the recipe.",
+            "`--config` override the recipe. Without an accelerate config (`--accelerate_config`, the recipe's key, or "
+            "the default file `accelerate config` writes), it passes `accelerate launch` the values it would otherwise "
+            "default to and warn about: one machine, no dynamo, the recipe's mixed precision, and one process where "
+            "there is at most one GPU.",
             "`accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml` is the same job.",
             "Every option is described in [config-reference.md](config-reference.md).",
         ],

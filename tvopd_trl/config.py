@@ -221,6 +221,16 @@ class TVOPDConfig(DistillationConfig):
         return {**self.__dict__, "hub_token": None}
 
     def __post_init__(self):
+        # transformers 5.21+ renamed `gradient_checkpointing*` to `activation_checkpointing*` and warns whenever only
+        # the old name is set, which TRL's configs always do (their `gradient_checkpointing` defaults to True), as do
+        # recipes that must also run on transformers 5.16-5.20 (no new name). Pass the value on under the new name;
+        # transformers mirrors it back into the old one, which TRL reads.
+        for old, new in (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        ):
+            if hasattr(self, new) and getattr(self, new) is None:
+                setattr(self, new, getattr(self, old))
         super().__post_init__()
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.world_size == 1:

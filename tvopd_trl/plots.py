@@ -58,7 +58,8 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
     if teacher_accuracy is not None:
         axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label="teacher")
     axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1.05), title="Student accuracy")
-    axis.legend()
+    if accuracy_history or teacher_accuracy is not None:  # nothing to label when the evaluation is off
+        axis.legend()
     paths.append(_save(figure, output_dir, "accuracy.png"))
 
     figure, (left, right) = _subplots(2, figsize=(10, 4))

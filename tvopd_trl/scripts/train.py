@@ -389,7 +389,14 @@ def check_launch_options(remaining):
 
 
 def run(args=None):
-    *parsed, remaining = make_parser().parse_args_and_config(args=args, return_remaining_strings=True)
+    import torch
+
+    parser = make_parser()
+    if not torch.accelerator.is_available():
+        # Pinned memory needs an accelerator: without one, torch pins nothing and warns that it does not.
+        # A default only: the recipe's `dataloader_pin_memory` (applied over it) and a flag still win.
+        parser.set_defaults_with_config(dataloader_pin_memory=False)
+    *parsed, remaining = parser.parse_args_and_config(args=args, return_remaining_strings=True)
     check_launch_options(remaining)  # `accelerate launch` settings in a recipe are for `tvopd-trl train`
     job_args, training_args = parsed[:2]
     return main(job_args, training_args)
