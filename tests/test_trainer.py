@@ -631,9 +631,9 @@ def test_a_teacher_passed_in_train_mode_with_dropout_scores_deterministically(ma
     trainer.model.train()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     generated = {key: batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
-    first = trainer._score_completions(dict(generated))["teacher_logps"]
+    first = trainer.score_completions(dict(generated))["teacher_logps"]
     teacher.train()  # whatever happens to it between rollouts (a callback, a user's code)
-    second = trainer._score_completions(dict(generated))["teacher_logps"]
+    second = trainer.score_completions(dict(generated))["teacher_logps"]
     assert torch.equal(first, second) and torch.equal(first, batch["teacher_logps"])
     assert not teacher.training
 

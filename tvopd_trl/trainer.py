@@ -269,7 +269,7 @@ class TVOPDTrainer(DistillationTrainer):
                 "measured case (docs/performance.md). Set bf16=False (TRL's config defaults to bf16=True).",
                 stacklevel=2,
             )
-        if args.advantage_mode == "vopd" or args.log_exact_tv:  # the config refuses these with a served teacher
+        if self._needs_exact_divergences:  # the config refuses these with a served teacher
             for config in (student.config.get_text_config(), teacher.config.get_text_config()):
                 found = [name for name in _LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
                 if found:
@@ -660,7 +660,9 @@ class TVOPDTrainer(DistillationTrainer):
         # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the loss
         # pass's own detached log-probabilities are pi_old, and that extra forward is skipped.
         freeze_old_logps = mode == "train" and self._micro_steps_per_rollout > self.args.gradient_accumulation_steps
-        output = self._score_completions(output, freeze_old_logps)
+        output = self.score_completions(
+            output, old_logps=freeze_old_logps, exact_divergences=self._needs_exact_divergences
+        )
         if self.use_vllm:
             # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
             # NaN here, and the loss drops the token.
@@ -673,31 +675,60 @@ class TVOPDTrainer(DistillationTrainer):
             output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
         return output
 
-    def _score_completions(self, output, freeze_old_logps=False):
-        """Adds the per-token signals of a generated batch (`prompt_ids`, `prompt_mask`, `completion_ids`,
-        `completion_mask`, optionally `tool_mask`): `loss_mask`, `teacher_logps`, with `freeze_old_logps` the rollout
-        student's `old_logps`, and the exact `reverse_kl` / `exact_tv` when the mode or `log_exact_tv` needs them."""
-        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        logits_to_keep = output["completion_ids"].size(1)
-        output["loss_mask"] = output["completion_mask"] * output.get("tool_mask", 1)
+    def generate_and_score(self, prompts):
+        """Completions of `prompts` (dataset rows with a `prompt`) sampled by the student as a rollout samples them,
+        with `teacher_logps` and `loss_mask` (see [`~TVOPDTrainer.score_completions`]): what `tvopd-trl doctor`
+        inspects."""
+        return self._generate_and_score_completions(prompts)
+
+    def record_metric(self, name, value, mode="train"):
+        """Adds `value` to the metrics of the step being logged, averaged over the logging window like the trainer's
+        own (`BenchmarkEvalCallback` records its scores this way)."""
+        self._metrics[mode][name].append(float(value))
+
+    def score_completions(self, batch, old_logps=False, exact_divergences=False):
+        """
+        Adds the per-token signals of a generated batch and returns it.
+
+        Args:
+            batch (`dict[str, torch.Tensor]`):
+                `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask` (and `tool_mask` with tools), as TRL's
+                generation returns them.
+            old_logps (`bool`, *optional*, defaults to `False`):
+                Whether to add `old_logps`, the current student's float32 log-probabilities of the completion tokens.
+            exact_divergences (`bool`, *optional*, defaults to `False`):
+                Whether to add the exact per-state `reverse_kl` and `exact_tv` over the vocabulary (a local teacher
+                only).
+
+        Returns:
+            `dict[str, torch.Tensor]`: `batch` with `loss_mask` and `teacher_logps` (NaN where a served teacher gave no
+            value), and the signals asked for, all `(B, T)` and 0 at padding.
+        """
+        prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        logits_to_keep = batch["completion_ids"].size(1)
+        batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
         with torch.no_grad():
             if self._teacher_client is not None:
-                output["teacher_logps"] = self._served_teacher_logps(output)
+                batch["teacher_logps"] = self._served_teacher_logps(batch)
             else:
                 self.teacher_model.eval()  # whatever another callback or user did to it since construction
-                output["teacher_logps"] = self._sampled_token_logps(
+                batch["teacher_logps"] = self._sampled_token_logps(
                     self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
-            if freeze_old_logps:
-                output["old_logps"] = self._sampled_token_logps(
+            if old_logps:
+                batch["old_logps"] = self._sampled_token_logps(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
-            if self.args.advantage_mode == "vopd" or self.args.log_exact_tv:
-                output["reverse_kl"], output["exact_tv"] = self._exact_divergences(
+            if exact_divergences:
+                batch["reverse_kl"], batch["exact_tv"] = self._exact_divergences(
                     prompt_completion_ids, attention_mask, logits_to_keep
                 )
-        return output
+        return batch
+
+    @property
+    def _needs_exact_divergences(self):
+        return self.args.advantage_mode == "vopd" or self.args.log_exact_tv
 
     def _served_teacher_logps(self, output):
         """The teacher server's float32 `(B, T)` log-probabilities of the sampled completion tokens (0 at padding).
@@ -854,7 +885,7 @@ class TVOPDTrainer(DistillationTrainer):
         mode = "train" if self.model.training else "eval"
         if "teacher_logps" not in inputs:
             # Called the way TRL's trainers are (custom loops, TRL's tests): a generated batch, scored here
-            inputs = self._score_completions(dict(inputs))
+            inputs = self.score_completions(dict(inputs), exact_divergences=self._needs_exact_divergences)
         # Inside `train()` every micro-batch of a rollout batch carries its optimizer step's token count. Any other call
         # (evaluation, a custom loop) is one standalone batch: logged at once, never fed to the scheduler.
         in_rollout = mode == "train" and "step_num_items" in inputs
