@@ -3,12 +3,15 @@
 Each mode is checked against a formula written here with loops over python floats, independent of the library.
 """
 
+import dataclasses
+import inspect
 import math
 
 import pytest
 import torch
 
-from tvopd_trl.advantages import ADVANTAGE_MODES, LOG_FLOAT32_TINY, compute_advantages
+from tvopd_trl import TVOPDConfig
+from tvopd_trl.advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES, LOG_FLOAT32_TINY, compute_advantages
 
 
 INF = math.inf
@@ -89,18 +92,18 @@ BATCHES = {"main": main_batch, "no_tie": no_tie_batch, "neg_inf": neg_inf_batch}
 
 
 def mode_kwargs(mode, reverse_kl, **overrides):
-    kwargs = {
-        "raw": {},
-        "clip": {"clip_low": CLIP_LOW, "clip_high": CLIP_HIGH},
-        "power": {"gamma": GAMMA},
-        "vopd": {"reverse_kl": reverse_kl},
-        "sign": {},
-        "tv": {"scale": SCALE},
-        "relative_power": {"beta": BETA},
-        "sequence_constant": {},
-        "shuffle": {"generator": torch.Generator().manual_seed(0)},
-        "sign_mass_raw_alloc": {},
-    }[mode]
+    """The test value of every input the mode's registry entry takes and of every hyperparameter it requires."""
+    values = {
+        "clip_low": CLIP_LOW,
+        "clip_high": CLIP_HIGH,
+        "gamma": GAMMA,
+        "beta": BETA,
+        "scale": SCALE,
+        "reverse_kl": reverse_kl,
+        "generator": torch.Generator().manual_seed(0),
+    }
+    spec = ADVANTAGE_MODE_REGISTRY[mode]
+    kwargs = {name: values[name] for name in (*spec.inputs, *spec.required) if name in values}
     return {**kwargs, **overrides}
 
 
@@ -467,3 +470,28 @@ def test_missing_parameter_is_named(mode, kwargs, missing):
     teacher, old, mask, _ = main_batch()
     with pytest.raises(ValueError, match=missing):
         compute_advantages(mode, teacher_logps=teacher, old_logps=old, mask=mask, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The registry: an entry is all a new mode needs, so every entry must be complete
+# --------------------------------------------------------------------------------------------------------------------
+
+TRAINER_INPUTS = {"teacher_logps", "old_logps", "reverse_kl", "scale", "generator"}
+
+
+@pytest.mark.parametrize("mode", ADVANTAGE_MODES)
+def test_registry_entry_is_complete(mode):
+    spec = ADVANTAGE_MODE_REGISTRY[mode]
+    parameters = inspect.signature(spec.function).parameters
+    assert list(parameters)[:2] == ["delta", "active"], "a mode function takes (delta, active, *, ...)"
+    keywords = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == set(spec.inputs) | set(spec.hyperparameters), "declare every keyword, and only those"
+    assert set(spec.inputs) <= TRAINER_INPUTS, "the trainer supplies only these"
+    assert set(spec.hyperparameters) <= set(inspect.signature(compute_advantages).parameters)
+    fields = {f.name for f in dataclasses.fields(TVOPDConfig)}
+    for name in spec.hyperparameters.values():
+        assert name in fields and f"        {name} (" in TVOPDConfig.__doc__, f"{name}: a documented config field"
+    assert spec.paper
+    # A config of the mode builds with its defaults, and the trainer's keywords for it are exactly the declared ones
+    args = TVOPDConfig(output_dir="unused", advantage_mode=mode, use_cpu=True, bf16=False, report_to="none")
+    assert set(spec.config_kwargs(args)) == set(spec.hyperparameters)

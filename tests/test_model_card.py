@@ -32,6 +32,6 @@ def test_the_card_says_how_the_model_was_trained(make_trainer, model_dirs, tmp_p
 def test_card_section_for_a_baseline_and_without_a_marker(tmp_path):
     args = tiny_config(tmp_path, advantage_mode="clip")
     section = card_section(args, [{"step": 3, "tv/scale": 1.0, "tv/estimate": float("nan")}], teacher="t")
-    assert "`advantage_mode='clip'`." in section and "`advantage_clip_low=-5.0`" in section
+    assert "`advantage_mode='clip'` (ClipOPD)." in section and "`advantage_clip_low=-5.0`" in section
     assert "`tv_alpha" not in section and "tv/estimate" not in section  # NaN values are not reported
     assert insert_section("# Card\n", section) == "# Card\n\n" + section

@@ -15,7 +15,7 @@
 
 __version__ = "0.1.0.dev0"
 
-from .advantages import ADVANTAGE_MODES, compute_advantages
+from .advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES, AdvantageMode, compute_advantages
 from .callbacks import TVScheduleCallback
 from .config import TVOPDConfig
 from .eval import BenchmarkEvalCallback
@@ -25,6 +25,8 @@ from .tv import TVScheduler, tv_estimate
 
 __all__ = [
     "ADVANTAGE_MODES",
+    "ADVANTAGE_MODE_REGISTRY",
+    "AdvantageMode",
     "BenchmarkEvalCallback",
     "TVOPDConfig",
     "TVOPDTrainer",

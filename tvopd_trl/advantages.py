@@ -11,28 +11,19 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Per-token advantage coefficients of every OPD variant in the TV-OPD paper (SPEC §2).
+"""Per-token advantage coefficients of every OPD variant in the TV-OPD paper (docs/method.md, section 2).
 
 Every function here is pure and detached: it maps the sampled-token log-probabilities of one rollout batch, shaped
 `(B, T)`, to a `(B, T)` coefficient that is zero wherever the token is inactive. Notation follows the paper: delta is
 the raw log-ratio, z = sign(delta), m = |delta|, S = mean_t m over a sequence's active tokens and R = m / S.
 """
 
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
-
-ADVANTAGE_MODES = (
-    "raw",
-    "clip",
-    "power",
-    "vopd",
-    "sign",
-    "tv",
-    "relative_power",
-    "sequence_constant",
-    "shuffle",
-    "sign_mass_raw_alloc",
-)
 
 # A teacher that gives a sampled token no mass makes delta = -inf. Magnitude-based modes need a finite |delta|, so
 # -inf is replaced by the log of the smallest normal float32, the most negative log-probability float32 can resolve.
@@ -77,13 +68,13 @@ def clip_advantage(delta, active, *, clip_low, clip_high):
     return _finite_delta(delta, active, clip_low).clamp(min=clip_low, max=clip_high) * active
 
 
-def power_advantage(teacher_logps, old_logps, active, *, gamma):
+def power_advantage(delta, active, *, teacher_logps, old_logps, gamma):
     # Box-Cox on probabilities: p_T^gamma - p_old^gamma, bounded in [-1, 1] and sign-preserving.
     advantage = torch.exp(gamma * teacher_logps.float()) - torch.exp(gamma * old_logps.float())
     return torch.where(active, advantage, 0.0)
 
 
-def vopd_advantage(delta, active, reverse_kl, *, clip_low=None):
+def vopd_advantage(delta, active, *, reverse_kl, clip_low=None):
     # delta + RKL_t centres the single-sample estimate of -RKL_t on its exact conditional mean.
     return torch.where(active, _finite_delta(delta, active, clip_low) + reverse_kl.float(), 0.0)
 
@@ -133,6 +124,68 @@ def sign_mass_raw_alloc_advantage(delta, active, *, clip_low=None):
     return sign * _safe_divide(magnitude, group_mean)
 
 
+@dataclass(frozen=True)
+class AdvantageMode:
+    """
+    One `advantage_mode`: its coefficient function and what it needs.
+
+    Args:
+        function (`Callable`):
+            `function(delta, active, **keywords)` returns the `(B, T)` coefficients, detached and 0 where `active` is
+            False. Its keyword-only parameters are exactly `inputs` and the keys of `hyperparameters`; those without a
+            default are required.
+        paper (`str`):
+            The method's name in the TV-OPD paper.
+        hyperparameters (`dict[str, str]`, *optional*):
+            The function's keyword -> the [`TVOPDConfig`] field that sets it in a trainer run.
+        inputs (`tuple[str, ...]`, *optional*):
+            What the trainer supplies beyond delta: `"teacher_logps"`, `"old_logps"`, `"reverse_kl"` (the exact per-state
+            reverse KL over the vocabulary, which makes the trainer score both full distributions), `"scale"` (c_k) and
+            `"generator"` (a seeded CPU generator, the same on every pass over a rollout).
+    """
+
+    function: Callable[..., torch.Tensor]
+    paper: str
+    hyperparameters: dict[str, str] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()
+
+    @property
+    def needs_exact_divergence(self) -> bool:
+        return "reverse_kl" in self.inputs
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """The function's keywords without a default: a call without them is an error."""
+        parameters = inspect.signature(self.function).parameters.values()
+        return tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
+
+    def config_kwargs(self, args) -> dict:
+        """The function's hyperparameters, read from a config (a `TVOPDConfig`)."""
+        return {keyword: getattr(args, name) for keyword, name in self.hyperparameters.items()}
+
+
+# Every mode that uses abs(delta) replaces a delta of -inf by `advantage_clip_low` when it is set.
+_FLOOR = {"clip_low": "advantage_clip_low"}
+
+ADVANTAGE_MODE_REGISTRY: dict[str, AdvantageMode] = {
+    "raw": AdvantageMode(raw_advantage, "Raw OPD", _FLOOR),
+    "clip": AdvantageMode(
+        clip_advantage, "ClipOPD", {"clip_low": "advantage_clip_low", "clip_high": "advantage_clip_high"}
+    ),
+    "power": AdvantageMode(power_advantage, "PowerOPD", {"gamma": "power_gamma"}, ("teacher_logps", "old_logps")),
+    "vopd": AdvantageMode(vopd_advantage, "vOPD", _FLOOR, ("reverse_kl",)),
+    "sign": AdvantageMode(sign_advantage, "Sign / Sign-TV"),
+    "tv": AdvantageMode(tv_advantage, "TV-OPD", inputs=("scale",)),
+    "relative_power": AdvantageMode(
+        relative_power_advantage, "Power(beta) ablation", {"beta": "relative_power_beta", **_FLOOR}
+    ),
+    "sequence_constant": AdvantageMode(sequence_constant_advantage, "Sequence-Constant", _FLOOR),
+    "shuffle": AdvantageMode(shuffle_advantage, "Shuffle", _FLOOR, ("generator",)),
+    "sign_mass_raw_alloc": AdvantageMode(sign_mass_raw_alloc_advantage, "Sign-Mass/Raw-Allocation", _FLOOR),
+}
+ADVANTAGE_MODES = tuple(ADVANTAGE_MODE_REGISTRY)
+
+
 def compute_advantages(
     mode: str,
     *,
@@ -148,12 +201,12 @@ def compute_advantages(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """
-    Detached per-token advantage coefficients A_t for one of the [`ADVANTAGE_MODES`] (SPEC §2).
+    Detached per-token advantage coefficients A_t for one of the [`ADVANTAGE_MODES`] (docs/method.md, section 2).
 
     Args:
         mode (`str`):
             One of `"raw"`, `"clip"`, `"power"`, `"vopd"`, `"sign"`, `"tv"`, `"relative_power"`,
-            `"sequence_constant"`, `"shuffle"` and `"sign_mass_raw_alloc"`.
+            `"sequence_constant"`, `"shuffle"` and `"sign_mass_raw_alloc"` (see [`ADVANTAGE_MODE_REGISTRY`]).
         teacher_logps (`torch.Tensor`):
             `(B, T)` teacher log-probabilities of the sampled tokens.
         old_logps (`torch.Tensor`):
@@ -179,35 +232,24 @@ def compute_advantages(
     Returns:
         `torch.Tensor`: `(B, T)` float32 coefficients, detached, zero on inactive and non-finite tokens.
     """
+    if mode not in ADVANTAGE_MODE_REGISTRY:
+        raise ValueError(f"Unknown advantage_mode {mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}.")
+    spec = ADVANTAGE_MODE_REGISTRY[mode]
     teacher_logps, old_logps = teacher_logps.detach(), old_logps.detach()
-    reverse_kl = None if reverse_kl is None else reverse_kl.detach()
-    delta, active = token_delta(teacher_logps, old_logps, mask)
-
-    def require(name, value):
-        if value is None:
+    available = {
+        "teacher_logps": teacher_logps,
+        "old_logps": old_logps,
+        "reverse_kl": None if reverse_kl is None else reverse_kl.detach(),
+        "scale": scale,
+        "generator": generator,
+        "clip_low": clip_low,
+        "clip_high": clip_high,
+        "gamma": gamma,
+        "beta": beta,
+    }
+    keywords = {name: available[name] for name in (*spec.inputs, *spec.hyperparameters)}
+    for name in spec.required:
+        if keywords[name] is None:
             raise ValueError(f"advantage_mode={mode!r} requires `{name}`, but it is None.")
-        return value
-
-    if mode == "raw":
-        return raw_advantage(delta, active, clip_low=clip_low)
-    if mode == "clip":
-        return clip_advantage(
-            delta, active, clip_low=require("clip_low", clip_low), clip_high=require("clip_high", clip_high)
-        )
-    if mode == "power":
-        return power_advantage(teacher_logps, old_logps, active, gamma=require("gamma", gamma))
-    if mode == "vopd":
-        return vopd_advantage(delta, active, require("reverse_kl", reverse_kl), clip_low=clip_low)
-    if mode == "sign":
-        return sign_advantage(delta, active)
-    if mode == "tv":
-        return tv_advantage(delta, active, scale=scale)
-    if mode == "relative_power":
-        return relative_power_advantage(delta, active, beta=require("beta", beta), clip_low=clip_low)
-    if mode == "sequence_constant":
-        return sequence_constant_advantage(delta, active, clip_low=clip_low)
-    if mode == "shuffle":
-        return shuffle_advantage(delta, active, clip_low=clip_low, generator=generator)
-    if mode == "sign_mass_raw_alloc":
-        return sign_mass_raw_alloc_advantage(delta, active, clip_low=clip_low)
-    raise ValueError(f"Unknown advantage_mode {mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}.")
+    delta, active = token_delta(teacher_logps, old_logps, mask)
+    return spec.function(delta, active, **keywords)

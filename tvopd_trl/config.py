@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from trl import DistillationConfig
 
-from .advantages import ADVANTAGE_MODES
+from .advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES
 from .tv import validate_tv_hyperparameters
 
 
@@ -243,6 +243,8 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(
                 f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}."
             )
+        mode = self.advantage_mode
+        spec = ADVANTAGE_MODE_REGISTRY[mode]
         validate_tv_hyperparameters(self.tv_alpha, self.tv_ema_decay, self.tv_min_scale, self.tv_eps)
         if self.beta != 1.0:
             raise ValueError(
@@ -252,10 +254,10 @@ class TVOPDConfig(DistillationConfig):
             )
         if self.tv_scale_target not in ("advantage", "learning_rate"):
             raise ValueError(f"tv_scale_target must be 'advantage' or 'learning_rate', got {self.tv_scale_target!r}.")
-        if self.tv_scale_target == "learning_rate" and self.advantage_mode != "tv":
+        if self.tv_scale_target == "learning_rate" and "scale" not in spec.inputs:
             raise ValueError(
-                f"tv_scale_target='learning_rate' applies the TV-OPD scale c_k, which advantage_mode="
-                f"{self.advantage_mode!r} does not use. Set advantage_mode='tv', or leave tv_scale_target='advantage'."
+                f"tv_scale_target='learning_rate' applies the TV-OPD scale c_k, which advantage_mode={mode!r} does "
+                "not use. Set advantage_mode='tv', or leave tv_scale_target='advantage'."
             )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
@@ -272,22 +274,25 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         if self.vllm_importance_sampling_cap <= 0:
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
-        if self.teacher_model_server_url is not None and (self.advantage_mode == "vopd" or self.log_exact_tv):
+        if self.teacher_model_server_url is not None and (spec.needs_exact_divergence or self.log_exact_tv):
             raise ValueError(
-                "advantage_mode='vopd' and log_exact_tv=True need the teacher's full next-token distribution, which a "
+                f"advantage_mode={mode!r} and log_exact_tv=True need the teacher's full next-token distribution, which a "
                 "teacher server (teacher_model_server_url) does not return. Load the teacher in-process, or use "
                 "another mode and log_exact_tv=False."
             )
 
-        mode = self.advantage_mode
-        if mode == "clip":
-            if self.advantage_clip_low is None and self.advantage_clip_high is None:
-                self.advantage_clip_low, self.advantage_clip_high = DEFAULT_CLIP_BOUNDS
-            if self.advantage_clip_low is None or self.advantage_clip_high is None:
-                raise ValueError(
-                    "advantage_mode='clip' needs both advantage_clip_low and advantage_clip_high (or neither, for the "
-                    f"default {DEFAULT_CLIP_BOUNDS}); got {self.advantage_clip_low} and {self.advantage_clip_high}."
-                )
+        if mode == "clip" and self.advantage_clip_low is None and self.advantage_clip_high is None:
+            self.advantage_clip_low, self.advantage_clip_high = DEFAULT_CLIP_BOUNDS
+        missing = [
+            name
+            for keyword, name in spec.hyperparameters.items()
+            if keyword in spec.required and getattr(self, name) is None
+        ]
+        if missing:
+            raise ValueError(
+                f"advantage_mode={mode!r} needs {' and '.join(missing)}, but it is None. Set it"
+                + (f" (or neither bound, for the default {DEFAULT_CLIP_BOUNDS})." if mode == "clip" else ".")
+            )
         if self.advantage_clip_low is not None and not self.advantage_clip_low < 0:
             raise ValueError(
                 f"advantage_clip_low must be < 0, got {self.advantage_clip_low}: a positive bound would turn the "
@@ -295,11 +300,12 @@ class TVOPDConfig(DistillationConfig):
             )
         if self.advantage_clip_high is not None and not self.advantage_clip_high > 0:
             raise ValueError(f"advantage_clip_high must be > 0, got {self.advantage_clip_high}.")
-        if mode == "power" and (self.power_gamma is None or not self.power_gamma > 0):
-            raise ValueError(f"advantage_mode='power' needs power_gamma > 0, got {self.power_gamma}.")
-        if mode == "relative_power" and (self.relative_power_beta is None or not 0 <= self.relative_power_beta <= 1):
+        used = set(spec.hyperparameters.values())
+        if "power_gamma" in used and not self.power_gamma > 0:
+            raise ValueError(f"advantage_mode={mode!r} needs power_gamma > 0, got {self.power_gamma}.")
+        if "relative_power_beta" in used and not 0 <= self.relative_power_beta <= 1:
             raise ValueError(
-                f"advantage_mode='relative_power' needs relative_power_beta in [0, 1], got {self.relative_power_beta}."
+                f"advantage_mode={mode!r} needs relative_power_beta in [0, 1], got {self.relative_power_beta}."
             )
         if not self.disable_dropout:
             warnings.warn(

@@ -18,13 +18,11 @@ TRL's model-card mechanism (`Trainer.create_model_card`) writes the card; [`TVOP
 
 import math
 
+from .advantages import ADVANTAGE_MODE_REGISTRY
 
-_MODE_HYPERPARAMETERS = {
-    "tv": ("tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps"),
-    "clip": ("advantage_clip_low", "advantage_clip_high"),
-    "power": ("power_gamma",),
-    "relative_power": ("relative_power_beta",),
-}
+
+# A mode that takes c_k as an input is set by the scheduler's hyperparameters too
+_SCHEDULER_HYPERPARAMETERS = ("tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps")
 _SHARED_HYPERPARAMETERS = (
     "learning_rate",
     "temperature",
@@ -40,15 +38,16 @@ def card_section(args, log_history, teacher=None, dataset=None):
     """Markdown: the advantage mode and its hyperparameters, the teacher, the dataset, and the run's last values of
     `tv/scale`, `tv/estimate` and every `eval/...` metric in `log_history`."""
     mode = args.advantage_mode
+    spec = ADVANTAGE_MODE_REGISTRY[mode]
     lines = ["## TV-OPD training", ""]
-    lines.append(
-        f"Trained with on-policy distillation, `advantage_mode={mode!r}`" + (" (TV-OPD)." if mode == "tv" else ".")
-    )
+    lines.append(f"Trained with on-policy distillation, `advantage_mode={mode!r}` ({spec.paper}).")
     if teacher:
         lines.append(f"- Teacher: `{teacher}`")
     if dataset:
         lines.append(f"- Prompts: `{dataset}`")
-    names = _MODE_HYPERPARAMETERS.get(mode, ()) + _SHARED_HYPERPARAMETERS
+    # The mode's own hyperparameters, those it needs or that are set (an optional -inf floor left unset is not listed)
+    own = [name for keyword, name in spec.hyperparameters.items() if keyword in spec.required or getattr(args, name)]
+    names = (_SCHEDULER_HYPERPARAMETERS if "scale" in spec.inputs else ()) + tuple(own) + _SHARED_HYPERPARAMETERS
     lines.append("- Hyperparameters: " + ", ".join(f"`{name}={getattr(args, name)}`" for name in names))
     last = {}
     for entry in log_history:

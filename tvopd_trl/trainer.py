@@ -37,7 +37,7 @@ from trl.trainer.utils import (
     split_tensor_dict,
 )
 
-from .advantages import LOG_FLOAT32_TINY, compute_advantages, token_delta
+from .advantages import ADVANTAGE_MODE_REGISTRY, LOG_FLOAT32_TINY, compute_advantages, token_delta
 from .callbacks import TVScheduleCallback
 from .checkpoints import last_complete_checkpoint, missing_parts
 from .chunked_logprob import sampled_token_logprobs
@@ -728,7 +728,7 @@ class TVOPDTrainer(DistillationTrainer):
 
     @property
     def _needs_exact_divergences(self):
-        return self.args.advantage_mode == "vopd" or self.args.log_exact_tv
+        return ADVANTAGE_MODE_REGISTRY[self.args.advantage_mode].needs_exact_divergence or self.args.log_exact_tv
 
     def _served_teacher_logps(self, output):
         """The teacher server's float32 `(B, T)` log-probabilities of the sampled completion tokens (0 at padding).
@@ -903,6 +903,7 @@ class TVOPDTrainer(DistillationTrainer):
         if in_rollout and self._step % self._micro_steps_per_rollout == 0:
             self._rollout_scale = self._tv_scheduler.scale  # c_k: read once, held for the whole rollout batch
         scale = self._rollout_scale if in_rollout else self._tv_scheduler.scale
+        spec = ADVANTAGE_MODE_REGISTRY[args.advantage_mode]
         advantages = compute_advantages(
             args.advantage_mode,
             teacher_logps=teacher_logps,
@@ -910,11 +911,8 @@ class TVOPDTrainer(DistillationTrainer):
             mask=active,
             scale=scale if args.tv_scale_target == "advantage" else 1.0,
             reverse_kl=inputs.get("reverse_kl"),
-            clip_low=args.advantage_clip_low,
-            clip_high=args.advantage_clip_high,
-            gamma=args.power_gamma,
-            beta=args.relative_power_beta,
-            generator=self._shuffle_generator() if args.advantage_mode == "shuffle" else None,
+            generator=self._shuffle_generator() if "generator" in spec.inputs else None,
+            **spec.config_kwargs(args),
         )
 
         # Inactive tokens get ratio 1 from constants, so a non-finite log-probability there cannot reach a gradient.
