@@ -76,7 +76,7 @@ def teacher_server(model_dirs, monkeypatch):
 
     # vLLM itself is not installed here; TRL's client only needs `requests` for these calls.
     monkeypatch.setattr(trl.generation.vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
-    monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr("tvopd_trl.checks.is_vllm_available", lambda *args, **kwargs: True)
     _VLLMStandIn.teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"]).eval()
     _VLLMStandIn.requests = []
     _VLLMStandIn.fail_last_two = False
@@ -163,7 +163,7 @@ def test_an_unreachable_server_fails_before_any_model_loads(monkeypatch, tmp_pat
     from tvopd_trl import TVOPDTrainer
 
     monkeypatch.setattr(trl.generation.vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
-    monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr("tvopd_trl.checks.is_vllm_available", lambda *args, **kwargs: True)
     args = tiny_config(tmp_path, teacher_model_server_url="http://127.0.0.1:9", teacher_model_server_timeout=0)
     # A student path that does not exist: loading it would raise an OSError, not the connection error.
     with pytest.raises(

@@ -511,7 +511,7 @@ def test_a_rollout_larger_than_the_dataset_is_refused_before_models_load(prompts
 
 
 def test_a_vllm_tensor_parallel_size_that_does_not_divide_the_processes_is_refused(monkeypatch, tmp_path):
-    monkeypatch.setattr("tvopd_trl.trainer.is_vllm_available", lambda *args, **kwargs: True)
+    monkeypatch.setattr("tvopd_trl.checks.is_vllm_available", lambda *args, **kwargs: True)
     args = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2)
     with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2 does not divide the 1 training processes"):
         TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=args)
@@ -651,7 +651,7 @@ def test_a_teacher_named_by_hub_id_has_its_tokenizer_compared(
             return other
         raise OSError(f"{source} is not a local folder and the Hub is unreachable")
 
-    monkeypatch.setattr("tvopd_trl.trainer.AutoTokenizer.from_pretrained", from_pretrained)
+    monkeypatch.setattr("tvopd_trl.checks.AutoTokenizer.from_pretrained", from_pretrained)
     # A mismatch is an error, before any model loads (the id does not exist as a model anywhere)
     with pytest.raises(ValueError, match="vocabularies differ"):
         make_trainer(tiny_config(tmp_path), teacher_model="some-org/teacher")

@@ -17,15 +17,13 @@ import math
 import os
 import shutil
 import textwrap
-import warnings
 
 import torch
 from datasets import IterableDataset
 from torch.distributed.tensor import DTensor
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
-from trl.import_utils import is_vllm_available
 from trl.models import prepare_fsdp
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
@@ -40,6 +38,14 @@ from trl.trainer.utils import (
 from .advantages import ADVANTAGE_MODE_REGISTRY, LOG_FLOAT32_TINY, compute_advantages, token_delta
 from .callbacks import TVScheduleCallback
 from .checkpoints import last_complete_checkpoint, missing_parts
+from .checks import (
+    LOGIT_POSTPROCESSING_ATTRIBUTES,
+    check_inputs,
+    check_loaded_trainer,
+    check_paths,
+    connect_server,
+    load_tokenizer,
+)
 from .chunked_logprob import sampled_token_logprobs
 from .config import TVOPDConfig
 from .divergences import exact_reverse_kl_and_tv
@@ -53,26 +59,6 @@ logger = logging.get_logger(__name__)
 
 # Per process, in a checkpoint taken inside a rollout batch (see `TVOPDTrainer._save_rng_state`)
 ROLLOUT_STATE_NAME = "rollout_state_{process}.pt"
-
-
-# Model-specific logit post-processing that a plain projection through the output head would miss.
-_LOGIT_POSTPROCESSING_ATTRIBUTES = (
-    "logit_scale",
-    "output_multiplier",
-    "lm_head_multiplier",
-    "logits_scaling",
-    "final_logit_softcapping",
-)
-
-
-def _load_tokenizer(source, trust_remote_code):
-    """The tokenizer of a local folder or Hub id, or None when there is none to load (then only a warning can say that
-    the vocabularies were not compared)."""
-    try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        logger.info(f"No tokenizer could be loaded from {source!r}: {error}")
-        return None
 
 
 def _decouples_weight_decay(optimizer, group):
@@ -174,49 +160,22 @@ class TVOPDTrainer(DistillationTrainer):
             args = TVOPDConfig(f"{name.split('/')[-1]}-TVOPD")
         if not isinstance(args, TVOPDConfig):
             raise TypeError(f"`args` must be a TVOPDConfig, got {type(args).__name__}.")
-        served = args.teacher_model_server_url is not None
-        if served and teacher_model is not None:
-            raise ValueError(
-                "Pass either a `teacher_model` or `teacher_model_server_url` in the config, not both: with a teacher "
-                "server, no teacher is loaded in the training processes."
-            )
-        if not served and teacher_model is None:
-            raise ValueError(
-                "TVOPDTrainer needs a `teacher_model` (a model or a path), or `teacher_model_server_url` in the config: "
-                "the teacher supplies every advantage."
-            )
-        if (args.use_vllm or served) and not is_vllm_available():
-            feature = "use_vllm=True" if args.use_vllm else "teacher_model_server_url"
-            raise ImportError(
-                f"{feature} needs vLLM, which is not installed: `pip install tvopd-trl[vllm]` on the training machines, "
-                "or train without it (transformers generation, in-process teacher)."
-            )
-        self._check_dataset(train_dataset, processing_class)
-        self._check_batch_layout(args, train_dataset)
+        check_inputs(args, train_dataset, processing_class, tools, teacher_model)
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
             url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            self._connect_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
+            connect_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
+        served = args.teacher_model_server_url is not None
         teacher_client = None
         if served:
-            teacher_client = self._connect_server(
+            teacher_client = connect_server(
                 args.teacher_model_server_url,
                 args.teacher_model_server_timeout,
                 "the teacher server (teacher_model_server_url)",
             )
-        if args.use_vllm and tools:
-            raise ValueError(
-                "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "
-                "of multi-turn completions are not tracked. Use transformers generation (use_vllm=False) with tools."
-            )
-        if isinstance(processing_class, ProcessorMixin):
-            raise ValueError(
-                "TVOPDTrainer is text-only, but the processing class is a multimodal processor "
-                f"({type(processing_class).__name__}). Pass the model's tokenizer instead."
-            )
-        self._check_paths(model, teacher_model)
+        check_paths(model, teacher_model)
         if teacher_processing_class is None and isinstance(teacher_model, str):
-            teacher_processing_class = _load_tokenizer(teacher_model, args.trust_remote_code)
+            teacher_processing_class = load_tokenizer(teacher_model, args.trust_remote_code)
         if teacher_processing_class is not None and isinstance(processing_class, PreTrainedTokenizerBase):
             check_shared_vocabulary(processing_class, teacher_processing_class)  # before any model loads
 
@@ -233,51 +192,17 @@ class TVOPDTrainer(DistillationTrainer):
             peft_config=peft_config,
             tools=tools,
         )
-        if self._is_vlm:  # loaded by the base class when `processing_class` was None
-            raise ValueError(
-                "TVOPDTrainer is text-only, but the model's processing class is a multimodal processor "
-                f"({type(self.processing_class).__name__}). Pass the model's tokenizer as `processing_class`."
-            )
-
         self._teacher_client = teacher_client
-        if served and self.temperature != 1.0:
-            warnings.warn(
-                f"A teacher server scores at temperature {self.temperature} only if it applies the temperature to "
-                "prompt log-probabilities (vLLM's `--logprobs-mode processed_logprobs`, which `trl vllm-serve` sets); "
-                "a plain `vllm serve` returns temperature-1 log-probabilities. The paper samples at temperature 1.",
-                stacklevel=2,
-            )
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         if self.is_fsdp_enabled and not served:
             # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
             self.teacher_model = prepare_fsdp(self.teacher_model, self.accelerator)
-        if self.is_deepspeed_enabled and args.tv_scale_target == "learning_rate":
-            raise ValueError(
-                "tv_scale_target='learning_rate' scales the learning rate just before `optimizer.step()`, which the "
-                "DeepSpeed engine takes inside `backward`. Use tv_scale_target='advantage' under DeepSpeed."
-            )
-        student = self.accelerator.unwrap_model(self.model)
-        teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
-        if teacher is not None:
+        if not served:
             # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
             self.teacher_model.eval()
-        self._check_teacher(teacher, teacher_processing_class)
-        self._warn_on_off_policy_sampling()
-        if args.bf16 and self.accelerator.device.type == "cpu":
-            warnings.warn(
-                "bf16=True on CPU: bf16 autocast there is emulated and made TV-OPD about 3x slower than float32 in a "
-                "measured case (docs/performance.md). Set bf16=False (TRL's config defaults to bf16=True).",
-                stacklevel=2,
-            )
-        if self._needs_exact_divergences:  # the config refuses these with a served teacher
-            for config in (student.config.get_text_config(), teacher.config.get_text_config()):
-                found = [name for name in _LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
-                if found:
-                    raise ValueError(
-                        f"advantage_mode='vopd' and log_exact_tv=True need the exact next-token distribution, but "
-                        f"{config.model_type} post-processes its logits ({', '.join(found)}), which the exact "
-                        "divergence does not reproduce. Use another mode, or set log_exact_tv=False."
-                    )
+        check_loaded_trainer(self, teacher_processing_class)
+        student = self.accelerator.unwrap_model(self.model)
+        teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
@@ -426,126 +351,6 @@ class TVOPDTrainer(DistillationTrainer):
         checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if self.is_world_process_zero() and os.path.isfile(card) and os.path.isdir(checkpoint):
             shutil.copy(card, checkpoint)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Construction checks
-    # ----------------------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_paths(model, teacher_model):
-        for role, value in (("model", model), ("teacher_model", teacher_model)):
-            # A Hub id is `name` or `org/name`; anything else that does not exist here is a mistyped local path.
-            local = isinstance(value, str) and (value.startswith((".", "/", "~")) or value.count("/") > 1)
-            if local and not os.path.exists(os.path.expanduser(value)):
-                raise FileNotFoundError(
-                    f"`{role}` {value!r} does not exist: give a local checkpoint folder or a Hub id."
-                )
-
-    @staticmethod
-    def _check_dataset(train_dataset, processing_class):
-        """An empty or prompt-less dataset, or chat prompts without a chat template, found before any model loads."""
-        columns = getattr(train_dataset, "column_names", None)
-        if columns is not None and "prompt" not in columns:
-            raise ValueError(
-                f"The training dataset has no `prompt` column (its columns: {', '.join(columns)}). Map yours to chat "
-                "messages in `prompt` with `tvopd_trl.prompts.to_prompt_dataset(dataset, column)` (the main job's "
-                "`dataset_prompt_column`)."
-            )
-        if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
-            raise ValueError("The training dataset is empty: it has no prompt to roll out.")
-        if (
-            isinstance(processing_class, PreTrainedTokenizerBase)
-            and processing_class.chat_template is None
-            and hasattr(train_dataset, "__getitem__")
-            and isinstance(train_dataset[0]["prompt"], list)
-        ):
-            raise ValueError(
-                "The prompts are chat messages but the tokenizer has no chat template to render them. Use the "
-                "instruct model's tokenizer, set `tokenizer.chat_template`, or give plain-text prompts."
-            )
-
-    @staticmethod
-    def _check_batch_layout(args, train_dataset):
-        processes = args.world_size
-        if args.use_vllm and args.vllm_mode == "colocate" and processes % args.vllm_tensor_parallel_size:
-            raise ValueError(
-                f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {processes} training "
-                "processes: colocated vLLM runs one engine per group of that many processes. Choose a divisor."
-            )
-        rollout = (
-            args.per_device_train_batch_size * processes * args.gradient_accumulation_steps * args.steps_per_generation
-        )
-        if (
-            train_dataset is not None
-            and hasattr(train_dataset, "__len__")  # an iterable dataset has no size to check
-            and len(train_dataset) < rollout
-        ):
-            raise ValueError(
-                f"One rollout batch takes {rollout} prompts (per_device_train_batch_size "
-                f"{args.per_device_train_batch_size} x {processes} processes x gradient_accumulation_steps "
-                f"{args.gradient_accumulation_steps} x steps_per_generation {args.steps_per_generation}), but the "
-                f"dataset has {len(train_dataset)}: no batch would ever be drawn. Lower one of those factors or use "
-                "more prompts."
-            )
-
-    @staticmethod
-    def _connect_server(url, timeout, what):
-        from trl.generation.vllm_client import VLLMClient
-
-        try:
-            return VLLMClient(base_url=url, connection_timeout=timeout)
-        except OSError as error:  # requests' connection errors, raised by the client's health check
-            raise ConnectionError(
-                f"{what[0].upper()}{what[1:]} at {url} did not answer within {timeout} s. Start it first (e.g. `trl "
-                "vllm-serve --model <model>`) or fix the URL; the matching `..._timeout` setting sets how long to wait."
-            ) from error
-
-    def _check_teacher(self, teacher, teacher_processing_class):
-        if teacher_processing_class is None and teacher is not None and teacher.config._name_or_path:
-            teacher_processing_class = _load_tokenizer(teacher.config._name_or_path, self.args.trust_remote_code)
-        if teacher_processing_class is None:
-            compared = "nothing" if teacher is None else "only vocab_size"
-            warnings.warn(
-                f"The teacher's tokenizer is unknown, so {compared} was compared with the student's. Pass "
-                "`teacher_processing_class` to check that both share one vocabulary.",
-                stacklevel=3,
-            )
-        else:
-            check_shared_vocabulary(self._tokenizer, teacher_processing_class)
-        if teacher is None:
-            return
-
-        student_dtype = next(self.accelerator.unwrap_model(self.model).parameters()).dtype
-        teacher_dtype = next(teacher.parameters()).dtype
-        if student_dtype != teacher_dtype:
-            warnings.warn(
-                f"The student is in {student_dtype} and the teacher in {teacher_dtype}. Log-probabilities are computed "
-                "in float32 either way, but a low-precision teacher shifts delta = log pi_T - log pi_old.",
-                stacklevel=3,
-            )
-
-    def _warn_on_off_policy_sampling(self):
-        args = self.args
-        generation_kwargs = args.generation_kwargs or {}
-        reasons = []
-        if args.top_p < 1.0:
-            reasons.append(f"top_p={args.top_p}")
-        if args.top_k:
-            reasons.append(f"top_k={args.top_k}")
-        if args.min_p:
-            reasons.append(f"min_p={args.min_p}")
-        if args.repetition_penalty != 1.0:
-            reasons.append(f"repetition_penalty={args.repetition_penalty}")
-        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if key in generation_kwargs:
-                reasons.append(f"generation_kwargs[{key!r}]={generation_kwargs[key]}")
-        if reasons:
-            warnings.warn(
-                f"Sampling with {', '.join(reasons)} draws tokens from a distribution other than pi_old at "
-                f"temperature {args.temperature}, which the TV estimate and the advantages assume. The paper samples "
-                "at temperature 1.0 and top-p 1.0.",
-                stacklevel=3,
-            )
 
     @property
     def _tv_scheduler(self):
@@ -813,7 +618,7 @@ class TVOPDTrainer(DistillationTrainer):
             device.type != "cpu"
             or self.is_fsdp_enabled
             or self.is_deepspeed_enabled
-            or any(getattr(config, name, None) is not None for name in _LOGIT_POSTPROCESSING_ATTRIBUTES)
+            or any(getattr(config, name, None) is not None for name in LOGIT_POSTPROCESSING_ATTRIBUTES)
         )
 
     def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, with_entropy):
