@@ -133,7 +133,8 @@ def test_values_the_server_failed_to_give_are_dropped_and_counted(make_trainer, 
     loss = trainer.compute_loss(trainer.model, batch)
     assert torch.isfinite(loss)
     kept = batch["completion_mask"].bool() & ~missing
-    assert trainer._step_stats["nonfinite"] == missing.sum() and trainer._step_stats["tokens"] == kept.sum()
+    sums = trainer._step_statistics.sums
+    assert sums["nonfinite"] == missing.sum() and sums["tokens"] == kept.sum()
     delta = (
         batch["teacher_logps"]
         - trainer._sampled_token_logps(

@@ -11,11 +11,14 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Dispersion statistics of the raw advantage, as in the paper's case study (section "Raw-Advantage Dispersion")."""
+"""What the trainer logs about a step's tokens: the dispersion statistics of the raw advantage, as in the paper's case
+study (section "Raw-Advantage Dispersion"), and the named per-token sums behind the other per-step metrics."""
 
 import math
 
 import torch
+
+from .advantages import LOG_FLOAT32_TINY
 
 
 def advantage_dispersion(abs_delta: torch.Tensor) -> dict[str, float]:
@@ -64,3 +67,77 @@ def cumulative_energy(abs_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     count = energy.numel()
     share = energy.cumsum(0) / energy.sum() if count and energy.sum() > 0 else torch.zeros(count, dtype=torch.float64)
     return torch.arange(1, count + 1, dtype=torch.float64) / count, share
+
+
+class StepStatistics:
+    """
+    The per-token statistics of one optimizer step, or of one standalone batch (an evaluation, a custom loop).
+
+    Each micro-batch adds named sums over its tokens; `log` reduces them over processes once and appends every
+    metric of docs/method.md, section 5 that they make, by name, to the trainer's `_metrics[mode]`.
+    """
+
+    def __init__(self):
+        self.sums = None
+        # Under vLLM: (max abs(log pi_old - log pi_vllm), -min ratio, max ratio), all maxima so that one `max` combines
+        self.extremes = None
+        self.abs_delta = []  # of every active token, for the dispersion statistics
+
+    def add(self, *, active, delta, ratio, advantages, loss_mask, per_token_loss, entropy, epsilon, log_gap=None):
+        """Adds one micro-batch: `(B, T)` tensors, `epsilon` = (low, high) PPO clip ranges, `log_gap` = log pi_old -
+        log pi_vllm under vLLM."""
+        finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
+        sums = {
+            "tokens": active.sum(),
+            "clip_low": ((ratio < 1 - epsilon[0]) & (advantages < 0) & active).sum(),
+            "clip_high": ((ratio > 1 + epsilon[1]) & (advantages > 0) & active).sum(),
+            "negative_delta": torch.where(active, -finite_delta, 0.0).sum(),
+            "positive_delta": (active & (delta > 0)).sum(),
+            "nonfinite": (loss_mask.bool() & ~active).sum(),
+            "loss": per_token_loss.detach().sum(),
+            "entropy": torch.where(active, entropy, 0.0).sum(),
+        }
+        if log_gap is not None:
+            sums["log_gap"] = log_gap.abs().sum()
+            sums["sampling_ratio"] = torch.where(active, log_gap.exp(), 0.0).sum()
+            extremes = log_gap.new_full((3,), -math.inf)
+            if active.any():
+                gap = log_gap[active]
+                extremes = torch.stack([gap.abs().max(), -gap.exp().min(), gap.exp().max()]).float()
+            self.extremes = extremes if self.extremes is None else torch.maximum(self.extremes, extremes)
+        sums = {name: value.float() for name, value in sums.items()}
+        self.sums = sums if self.sums is None else {name: self.sums[name] + value for name, value in sums.items()}
+        self.abs_delta.append(finite_delta[active].abs())
+
+    def log(self, accelerator, metrics, dispersion=True):
+        """Reduces over processes and appends to `metrics`; with `dispersion`, the `advantage/*` statistics of abs(delta)
+        over every active token of every process too."""
+        if self.sums is not None:
+            values = accelerator.reduce(torch.stack(list(self.sums.values())), reduction="sum").tolist()
+            self._log_sums(accelerator, metrics, dict(zip(self.sums, values, strict=True)))
+        if dispersion:
+            device = accelerator.device
+            abs_delta = torch.cat(self.abs_delta) if self.abs_delta else torch.zeros(0, device=device)
+            abs_delta = accelerator.gather(accelerator.pad_across_processes(abs_delta, pad_index=-1))
+            for name, value in advantage_dispersion(abs_delta[abs_delta >= 0]).items():
+                metrics[f"advantage/{name}"].append(value)
+
+    def _log_sums(self, accelerator, metrics, sums):
+        count = sums["tokens"]
+        ratio = (lambda value: value / count) if count > 0 else (lambda value: float("nan"))
+        metrics["clip_ratio/low"].append(ratio(sums["clip_low"]))
+        metrics["clip_ratio/high"].append(ratio(sums["clip_high"]))
+        metrics["kl/reverse_estimate"].append(ratio(sums["negative_delta"]))
+        metrics["advantage/positive_fraction"].append(ratio(sums["positive_delta"]))
+        metrics["tv/nonfinite_tokens"].append(sums["nonfinite"])
+        metrics["policy_loss"].append(ratio(sums["loss"]))
+        metrics["entropy"].append(ratio(sums["entropy"]))
+        if "log_gap" in sums:
+            # TRL GRPO's names for the sampler / trainer mismatch; the ratio is pi_old / pi_vllm, before its cap.
+            metrics["sampling/sampling_logp_difference/mean"].append(ratio(sums["log_gap"]))
+            metrics["sampling/importance_sampling_ratio/mean"].append(ratio(sums["sampling_ratio"]))
+            max_gap, neg_min_ratio, max_ratio = accelerator.gather(self.extremes[None]).max(dim=0).values.tolist()
+            finite = count > 0
+            metrics["sampling/sampling_logp_difference/max"].append(max_gap if finite else float("nan"))
+            metrics["sampling/importance_sampling_ratio/min"].append(-neg_min_ratio if finite else float("nan"))
+            metrics["sampling/importance_sampling_ratio/max"].append(max_ratio if finite else float("nan"))

@@ -35,7 +35,7 @@ from trl.trainer.utils import (
     split_tensor_dict,
 )
 
-from .advantages import ADVANTAGE_MODE_REGISTRY, LOG_FLOAT32_TINY, compute_advantages, token_delta
+from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
 from .callbacks import TVScheduleCallback
 from .checkpoints import last_complete_checkpoint, missing_parts
 from .checks import (
@@ -49,7 +49,7 @@ from .checks import (
 from .chunked_logprob import sampled_token_logprobs
 from .config import TVOPDConfig
 from .divergences import exact_reverse_kl_and_tv
-from .metrics import advantage_dispersion
+from .metrics import StepStatistics
 from .model_card import card_section, insert_section
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
@@ -65,10 +65,6 @@ def _decouples_weight_decay(optimizer, group):
     """Whether `optimizer` (AdamW and its kin) shrinks the weights by lr * weight_decay outside the gradient."""
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
-
-
-def _add_stats(total, stats):
-    return stats if total is None else {name: total[name] + value for name, value in stats.items()}
 
 
 class _OptimizerStepHooks(TrainerCallback):
@@ -234,9 +230,7 @@ class TVOPDTrainer(DistillationTrainer):
         self._rollout_tv = None
         self._rollout_exact_tv = None
         self._rollout_grad_norm_finite = True
-        self._step_stats = None
-        self._step_extremes = None
-        self._step_abs_delta = []
+        self._step_statistics = StepStatistics()
         self._step_grad_norm = None
         self._params_before_step = None
 
@@ -743,31 +737,21 @@ class TVOPDTrainer(DistillationTrainer):
         loss = per_token_loss.sum() / normalizer
 
         with torch.no_grad():
-            finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
-            # Sums over this micro-batch's tokens, reduced over micro-batches and processes before they are logged
-            stats = {
-                "tokens": active.sum(),
-                "clip_low": ((ratio < 1 - args.epsilon) & (advantages < 0) & active).sum(),
-                "clip_high": ((ratio > 1 + args.epsilon_high) & (advantages > 0) & active).sum(),
-                "negative_delta": torch.where(active, -finite_delta, 0.0).sum(),
-                "positive_delta": (active & (delta > 0)).sum(),
-                "nonfinite": (inputs["loss_mask"].bool() & ~active).sum(),
-                "loss": per_token_loss.detach().sum(),
-                "entropy": torch.where(active, entropy, 0.0).sum(),
-            }
-            if sampled_by_vllm:
-                stats["log_gap"] = log_gap.abs().sum()
-                stats["sampling_ratio"] = torch.where(active, log_gap.exp(), 0.0).sum()
-            stats = {name: value.float() for name, value in stats.items()}
-            extremes = self._sampling_extremes(log_gap, active) if sampled_by_vllm else None
+            statistics = self._step_statistics if in_rollout else StepStatistics()
+            statistics.add(
+                active=active,
+                delta=delta,
+                ratio=ratio,
+                advantages=advantages,
+                loss_mask=inputs["loss_mask"],
+                per_token_loss=per_token_loss,
+                entropy=entropy,
+                epsilon=(args.epsilon, args.epsilon_high),
+                log_gap=log_gap if sampled_by_vllm else None,
+            )
             # Under vLLM the tokens were drawn by the sampler: X_t weighted by the loss's truncated ratio pi_old /
             # pi_vllm estimates the TV under pi_old again (docs/method.md).
             if in_rollout:
-                self._step_stats = _add_stats(self._step_stats, stats)
-                if extremes is not None:
-                    previous = self._step_extremes
-                    self._step_extremes = extremes if previous is None else torch.maximum(previous, extremes)
-                self._step_abs_delta.append(finite_delta[active].abs())
                 first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
                 if first_pass:
                     u, n = tv_estimate(teacher_logps, old_logps, rollout_active, weights=importance_weights)
@@ -779,16 +763,12 @@ class TVOPDTrainer(DistillationTrainer):
                         previous = self._rollout_exact_tv
                         self._rollout_exact_tv = exact if previous is None else previous + exact
             else:
-                self._log_step_metrics(mode, self._reduce_stats(stats), extremes)
+                statistics.log(self.accelerator, self._metrics[mode], dispersion=False)
                 u, n = tv_estimate(teacher_logps, old_logps, active, weights=importance_weights)
                 u, n = self.accelerator.reduce(torch.stack([u.float(), n.float()]), reduction="sum").tolist()
                 self._metrics[mode]["tv/estimate"].append(u / n if n > 0 else float("nan"))
 
         return (loss, None) if return_outputs else loss
-
-    def _reduce_stats(self, stats):
-        values = self.accelerator.reduce(torch.stack(list(stats.values())), reduction="sum").tolist()
-        return dict(zip(stats, values, strict=True))
 
     # ----------------------------------------------------------------------------------------------------------------
     # Around the optimizer step: skip non-finite gradients, then update the scheduler and log
@@ -856,19 +836,13 @@ class TVOPDTrainer(DistillationTrainer):
         metrics = self._metrics["train"]
         if self.args.log_update_norm:
             metrics["update/norm"].append(self._update_norm())
-        device = self.accelerator.device
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
         metrics["tv/scale"].append(self._rollout_scale)
 
-        if self._step_stats is not None:
-            self._log_step_metrics("train", self._reduce_stats(self._step_stats), self._step_extremes)
-        abs_delta = torch.cat(self._step_abs_delta) if self._step_abs_delta else torch.zeros(0, device=device)
-        abs_delta = self.accelerator.gather(self.accelerator.pad_across_processes(abs_delta, pad_index=-1))
-        for name, value in advantage_dispersion(abs_delta[abs_delta >= 0]).items():
-            metrics[f"advantage/{name}"].append(value)
-        self._step_stats, self._step_extremes, self._step_abs_delta = None, None, []
+        self._step_statistics.log(self.accelerator, metrics)
+        self._step_statistics = StepStatistics()
 
         if self._step % self._micro_steps_per_rollout == 0:
             self._finish_rollout()
@@ -906,34 +880,3 @@ class TVOPDTrainer(DistillationTrainer):
             exact_sum, count = self.accelerator.reduce(self._rollout_exact_tv, reduction="sum").tolist()
             metrics["tv/exact"].append(exact_sum / count if count > 0 else float("nan"))
         self._rollout_tv, self._rollout_exact_tv, self._rollout_grad_norm_finite = None, None, True
-
-    @staticmethod
-    def _sampling_extremes(log_gap, active):
-        """(max |log pi_old - log pi_vllm|, -min ratio, max ratio) over active tokens: all maxima, so that
-        micro-batches and processes combine with one `max`."""
-        if not active.any():
-            return log_gap.new_full((3,), -math.inf)
-        gap, ratio = log_gap[active], log_gap[active].exp()
-        return torch.stack([gap.abs().max(), -ratio.min(), ratio.max()]).float()
-
-    def _log_step_metrics(self, mode, stats, extremes=None):
-        metrics = self._metrics[mode]
-        count = stats["tokens"]
-        ratio = (lambda value: value / count) if count > 0 else (lambda value: float("nan"))
-        metrics["clip_ratio/low"].append(ratio(stats["clip_low"]))
-        metrics["clip_ratio/high"].append(ratio(stats["clip_high"]))
-        metrics["kl/reverse_estimate"].append(ratio(stats["negative_delta"]))
-        metrics["advantage/positive_fraction"].append(ratio(stats["positive_delta"]))
-        metrics["tv/nonfinite_tokens"].append(stats["nonfinite"])
-        metrics["policy_loss"].append(ratio(stats["loss"]))
-        metrics["entropy"].append(ratio(stats["entropy"]))
-        if "log_gap" in stats:
-            # TRL GRPO's names for the sampler / trainer mismatch; the ratio is pi_old / pi_vllm, before its cap.
-            metrics["sampling/sampling_logp_difference/mean"].append(ratio(stats["log_gap"]))
-            metrics["sampling/importance_sampling_ratio/mean"].append(ratio(stats["sampling_ratio"]))
-            if extremes is not None:
-                max_gap, neg_min_ratio, max_ratio = self.accelerator.gather(extremes[None]).max(dim=0).values.tolist()
-                finite = count > 0
-                metrics["sampling/sampling_logp_difference/max"].append(max_gap if finite else float("nan"))
-                metrics["sampling/importance_sampling_ratio/min"].append(-neg_min_ratio if finite else float("nan"))
-                metrics["sampling/importance_sampling_ratio/max"].append(max_ratio if finite else float("nan"))
