@@ -51,6 +51,7 @@ from .config import TVOPDConfig
 from .divergences import exact_reverse_kl_and_tv
 from .metrics import StepStatistics
 from .model_card import card_section, insert_section
+from .served_teacher import served_teacher_logps
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -509,7 +510,9 @@ class TVOPDTrainer(DistillationTrainer):
         batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
         with torch.no_grad():
             if self._teacher_client is not None:
-                batch["teacher_logps"] = self._served_teacher_logps(batch)
+                batch["teacher_logps"] = served_teacher_logps(self._teacher_client, batch, self.temperature).to(
+                    self.accelerator.device
+                )
             else:
                 self.teacher_model.eval()  # whatever another callback or user did to it since construction
                 batch["teacher_logps"] = self._sampled_token_logps(
@@ -528,38 +531,6 @@ class TVOPDTrainer(DistillationTrainer):
     @property
     def _needs_exact_divergences(self):
         return ADVANTAGE_MODE_REGISTRY[self.args.advantage_mode].needs_exact_divergence or self.args.log_exact_tv
-
-    def _served_teacher_logps(self, output):
-        """The teacher server's float32 `(B, T)` log-probabilities of the sampled completion tokens (0 at padding).
-
-        One prefill request scores each unpadded prompt + completion; vLLM always returns the log-probability of the
-        actual token beside the top-1, so `top_logprobs=1` suffices. TRL's client reports a value the server did not
-        give, or gave as NaN, as -inf; that is a missing value, not the teacher ruling the token out, so it becomes NaN
-        here: the loss and the TV estimate drop the token and `tv/nonfinite_tokens` counts it."""
-        prompt_mask = output["prompt_mask"].bool().cpu()
-        completion_mask = output["completion_mask"].bool().cpu()
-        prompt_ids, completion_ids = output["prompt_ids"].cpu(), output["completion_ids"].cpu()
-        sequences = [
-            prompt[p_mask].tolist() + completion[c_mask].tolist()
-            for prompt, p_mask, completion, c_mask in zip(
-                prompt_ids, prompt_mask, completion_ids, completion_mask, strict=True
-            )
-        ]
-        result = self._teacher_client.get_sequence_logprobs(
-            sequences, prompt_mask.sum(dim=1).tolist(), top_logprobs=1, temperature=self.temperature
-        )
-        logps = torch.zeros(completion_ids.shape, dtype=torch.float32)
-        for row, (values, length) in enumerate(
-            zip(result["actual_logprobs"], completion_mask.sum(dim=1), strict=True)
-        ):
-            if len(values) != length:
-                raise RuntimeError(
-                    f"The teacher server returned {len(values)} log-probabilities for a completion of {int(length)} "
-                    "tokens; is it serving the same tokenizer as the student?"
-                )
-            logps[row, :length] = torch.tensor([value[0] for value in values], dtype=torch.float32)
-        logps = torch.where(torch.isfinite(logps), logps, math.nan)
-        return logps.to(self.accelerator.device)
 
     def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
         """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
