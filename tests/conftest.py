@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tvopd_trl import TVOPDTrainer
-from tvopd_trl.testing import build_model, build_tokenizer, tiny_config  # noqa: F401
+from tvopd_trl.testing import build_model, build_tokenizer
 from tvopd_trl.tiny import prompt_dataset
 
 

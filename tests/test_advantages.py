@@ -1,4 +1,5 @@
-"""Tests for the per-token advantage coefficients of every mode (SPEC §1 non-finite handling, SPEC §2 table).
+"""Tests for the per-token advantage coefficients of every mode (the table of docs/modes.md, and docs/method.md
+section 7 for non-finite tokens).
 
 Each mode is checked against a formula written here with loops over python floats, independent of the library.
 """
@@ -114,7 +115,7 @@ def advantages(mode, teacher, old, mask, reverse_kl=None, **overrides):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Independent reference formulas (SPEC §2), python floats
+# Independent reference formulas (docs/modes.md), python floats
 # --------------------------------------------------------------------------------------------------------------------
 
 
@@ -365,7 +366,7 @@ def test_shuffle_is_reproducible_and_seed_dependent():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Non-finite tokens (SPEC §1)
+# Non-finite tokens (docs/method.md, section 7)
 # --------------------------------------------------------------------------------------------------------------------
 
 

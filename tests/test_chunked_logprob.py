@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from tvopd_trl.chunked_logprob import ChunkedSampledLogProb, sampled_token_logprobs
-
-from .conftest import tiny_config
+from tvopd_trl.testing import tiny_config
 
 
 def reference(hidden, weight, bias, targets, temperature):

@@ -21,8 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tvopd_trl import TVOPDTrainer, tiny
-
-from .conftest import tiny_config
+from tvopd_trl.testing import tiny_config
 
 
 REPO = Path(__file__).resolve().parent.parent

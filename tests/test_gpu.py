@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from tvopd_trl import tiny
-
-from .conftest import tiny_config
+from tvopd_trl.testing import tiny_config
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,8 +2,7 @@
 
 from tvopd_trl.eval import BenchmarkEvalCallback, SamplingSettings
 from tvopd_trl.model_card import card_section, insert_section
-
-from .conftest import tiny_config
+from tvopd_trl.testing import tiny_config
 
 
 def test_the_card_says_how_the_model_was_trained(make_trainer, model_dirs, tmp_path):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from .conftest import tiny_config
+from tvopd_trl.testing import tiny_config
 
 
 class StandInVLLMGeneration:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from .conftest import tiny_config
+from tvopd_trl.testing import tiny_config
 
 
 class _VLLMStandIn(BaseHTTPRequestHandler):

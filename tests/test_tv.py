@@ -1,4 +1,5 @@
-"""Tests for the on-policy TV estimate and the TV-EMA scheduler (SPEC §4, paper eqs. tv-gradient and tv-estimator)."""
+"""Tests for the on-policy TV estimate and the TV-EMA scheduler (docs/method.md, sections 3 and
+4; paper eqs. tv-gradient and tv-estimator)."""
 
 import json
 import math
@@ -60,7 +61,7 @@ def test_tv_estimator_is_unbiased_with_bounded_variance_random(vocab_size, seed)
     x64 = [max(1.0 - pa / qa, 0.0) for pa, qa in zip(p, q, strict=True)]
     assert sum(qa * xa for qa, xa in zip(q, x64, strict=True)) == pytest.approx(d, abs=1e-12)
 
-    # tv_estimate works in float32 (SPEC §1/§4), so its per-token X agrees with the float64 X to float32 precision.
+    # tv_estimate works in float32 (docs/method.md, section 3), so its per-token X agrees with the float64 X to float32 precision.
     x = [token_x(math.log(pa), math.log(qa)) for pa, qa in zip(p, q, strict=True)]
     for xa, xa64 in zip(x, x64, strict=True):
         assert 0.0 <= xa <= 1.0
@@ -258,7 +259,7 @@ def test_fully_masked_batch_gives_zero_sum_and_count():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 5. TVScheduler (SPEC §4)
+# 5. TVScheduler (docs/method.md, section 4)
 # --------------------------------------------------------------------------------------------------------------------
 
 

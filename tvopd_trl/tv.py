@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The on-policy TV estimate and the TV-EMA scheduler that sets TV-OPD's shared scale c_k (SPEC §4)."""
+"""The on-policy TV estimate and the TV-EMA scheduler that sets TV-OPD's shared scale c_k (docs/method.md, sections 3 and 4)."""
 
 import math
 
