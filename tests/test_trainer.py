@@ -10,6 +10,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tvopd_trl import ADVANTAGE_MODES, TVOPDConfig, TVOPDTrainer, TVScheduleCallback, compute_advantages
+from tvopd_trl.callbacks import UpdateNormCallback
 from tvopd_trl.testing import build_model, tiny_config
 
 
@@ -762,12 +763,11 @@ def test_entropy_is_logged_over_active_completion_tokens(make_trainer, tmp_path)
 
 
 def test_without_log_update_norm_no_parameter_copy_is_taken(make_trainer, tmp_path, monkeypatch):
-    trainer = make_trainer(tiny_config(tmp_path, max_steps=2, log_update_norm=False))
-
-    def snapshot():
+    def snapshot(self):
         raise AssertionError("a parameter copy was taken")
 
-    monkeypatch.setattr(trainer, "_snapshot_parameters", snapshot)
+    monkeypatch.setattr(UpdateNormCallback, "_snapshot", snapshot)
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=2, log_update_norm=False))
     before = parameters(trainer.model)
     trainer.train()
     logs = step_logs(trainer)

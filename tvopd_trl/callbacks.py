@@ -14,6 +14,8 @@
 
 import warnings
 
+import torch
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -69,3 +71,52 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
             },
             "attributes": {},
         }
+
+
+def _local_tensor(param):
+    if isinstance(param, DTensor):
+        return param.to_local()
+    return getattr(param, "ds_tensor", param)  # ZeRO-3 keeps the local partition in `ds_tensor`
+
+
+class UpdateNormCallback(TrainerCallback):
+    """
+    Logs `update/norm`, the norm of each optimizer step's realised parameter change ||theta_k+1 - theta_k||, through
+    `trainer.record_metric`.
+
+    It holds one copy of the trainable parameters (of the local shard when sharded), taken just before
+    `optimizer.step()` so that it never sits beside the activations, and turned into the update in place right after.
+    DeepSpeed's engine steps inside the last micro-batch's backward, so there the copy is taken at the step's start.
+    [`TVOPDTrainer`] adds it when `log_update_norm` is on.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.before = None
+
+    def _parameters(self):
+        return [p for p in self.trainer.model.parameters() if p.requires_grad]
+
+    def _snapshot(self):
+        self.before = [_local_tensor(p).detach().clone() for p in self._parameters()]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.trainer.is_deepspeed_enabled:
+            self._snapshot()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self.trainer.is_deepspeed_enabled:
+            self._snapshot()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        parameters = self._parameters()
+        squared = sum(
+            torch.linalg.vector_norm(before.sub_(_local_tensor(p).detach()), dtype=torch.float32).square()
+            for p, before in zip(parameters, self.before, strict=True)
+        )
+        accelerator = self.trainer.accelerator
+        squared = torch.as_tensor(squared, device=accelerator.device, dtype=torch.float32)
+        if any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in parameters):
+            squared = accelerator.reduce(squared, reduction="sum")  # shards add up; replicas don't
+        self.before = None
+        self.trainer.record_metric("update/norm", squared.sqrt().item())

@@ -20,7 +20,6 @@ import textwrap
 
 import torch
 from datasets import IterableDataset
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
@@ -36,7 +35,7 @@ from trl.trainer.utils import (
 )
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
-from .callbacks import TVScheduleCallback
+from .callbacks import TVScheduleCallback, UpdateNormCallback
 from .checkpoints import last_complete_checkpoint, missing_parts
 from .checks import (
     LOGIT_POSTPROCESSING_ATTRIBUTES,
@@ -70,8 +69,8 @@ def _decouples_weight_decay(optimizer, group):
 
 class _OptimizerStepHooks(TrainerCallback):
     """Runs the trainer's post-update bookkeeping right after `optimizer.step()`, before any `on_step_end`, logging or
-    checkpoint, so that all of them see the scheduler state of the finished step; and, just before it, snapshots the
-    parameters for `update/norm` and, with `tv_scale_target="learning_rate"`, scales the step's learning rate by c_k."""
+    checkpoint, so that all of them see the scheduler state of the finished step; and, just before it, with
+    `tv_scale_target="learning_rate"`, scales the step's learning rate by c_k."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -214,6 +213,8 @@ class TVOPDTrainer(DistillationTrainer):
 
         # First in line, so that every other callback's `on_optimizer_step` sees the finished step.
         self.callback_handler.callbacks.insert(0, _OptimizerStepHooks(self))
+        if args.log_update_norm:
+            self.add_callback(UpdateNormCallback(self))
         self.add_callback(
             TVScheduleCallback(
                 alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
@@ -233,7 +234,6 @@ class TVOPDTrainer(DistillationTrainer):
         self._rollout_grad_norm_finite = True
         self._step_statistics = StepStatistics()
         self._step_grad_norm = None
-        self._params_before_step = None
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """As [`~transformers.Trainer.train`], except that `resume_from_checkpoint=True` resumes from the last
@@ -745,28 +745,6 @@ class TVOPDTrainer(DistillationTrainer):
     # Around the optimizer step: skip non-finite gradients, then update the scheduler and log
     # ----------------------------------------------------------------------------------------------------------------
 
-    def _trainable_parameters(self):
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    @staticmethod
-    def _local_tensor(param):
-        if isinstance(param, DTensor):
-            return param.to_local()
-        return getattr(param, "ds_tensor", param)  # ZeRO-3 keeps the local partition in `ds_tensor`
-
-    def _snapshot_parameters(self):
-        # For `update/norm`: one extra copy of the trainable parameters (of the local shard when sharded)
-        self._params_before_step = [self._local_tensor(p).detach().clone() for p in self._trainable_parameters()]
-
-    def training_step(self, model, inputs, num_items_in_batch):
-        if (
-            self.args.log_update_norm
-            and self.is_deepspeed_enabled
-            and self._step % self.args.gradient_accumulation_steps == 0
-        ):
-            self._snapshot_parameters()  # DeepSpeed steps inside the last micro-batch's backward: snapshot before
-        return super().training_step(model, inputs, num_items_in_batch)
-
     def _get_grad_norm(self, model, grad_norm=None):
         # Called by `Trainer` right before `optimizer.step()`, with the pre-clip norm (computed here when
         # `max_grad_norm` is 0). DeepSpeed has stepped already and skips non-finite steps itself (fp16 overflow).
@@ -780,9 +758,6 @@ class TVOPDTrainer(DistillationTrainer):
         return grad_norm
 
     def _prepare_optimizer_step(self):
-        if self.args.log_update_norm and not self.is_deepspeed_enabled:
-            # After the backward, so that the copy never sits beside the activations and the LM head's tiles
-            self._snapshot_parameters()
         # AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate. Decoupled weight
         # decay shrinks by lr * weight_decay: it is divided by c_k for the step, so that, as with c_k on the advantage,
         # only the teacher's signal is scaled (docs/method.md).
@@ -805,8 +780,6 @@ class TVOPDTrainer(DistillationTrainer):
                     group["weight_decay"] = decay
             self._unscaled_param_groups = None
         metrics = self._metrics["train"]
-        if self.args.log_update_norm:
-            metrics["update/norm"].append(self._update_norm())
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
@@ -820,19 +793,6 @@ class TVOPDTrainer(DistillationTrainer):
         scheduler = self._tv_scheduler
         metrics["tv/ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
         metrics["tv/reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
-
-    def _update_norm(self):
-        parameters = self._trainable_parameters()
-        # In place: the snapshot is dropped right after, and no parameter-sized temporaries join the live gradients.
-        squared_update = sum(
-            torch.linalg.vector_norm(before.sub_(self._local_tensor(p).detach()), dtype=torch.float32).square()
-            for p, before in zip(parameters, self._params_before_step, strict=True)
-        )
-        squared_update = torch.as_tensor(squared_update, device=self.accelerator.device, dtype=torch.float32)
-        if any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in parameters):
-            squared_update = self.accelerator.reduce(squared_update, reduction="sum")  # shards add up; replicas don't
-        self._params_before_step = None
-        return squared_update.sqrt().item()
 
     def _finish_rollout(self):
         metrics = self._metrics["train"]
