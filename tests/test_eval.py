@@ -28,9 +28,8 @@ from tvopd_trl.eval import (
     register_benchmark,
     summarize,
 )
+from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import student_path
-
-from .conftest import tiny_config
 
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data", "benchmarks")
@@ -107,6 +106,18 @@ def test_prompts_use_the_boxed_instruction_and_the_chat_template():
     assert get_benchmark("aime25").prompt(problem, "Q: {problem} {A}")[0]["content"] == f"Q: {problem.problem} {{A}}"
     # The tiny pair was trained on the bare question.
     assert get_benchmark("tiny").prompt(load_problems("tiny")[0])[0]["content"] == "Compute 22 + 13."
+
+
+def test_the_tiny_task_registers_its_benchmark_by_reference():
+    # `tvopd_trl.eval` imports nothing of `tvopd_trl.tiny` (tests/test_layout.py): its registry names the function that
+    # builds the benchmark, imported on the first lookup.
+    from tvopd_trl import tiny
+    from tvopd_trl.eval import tiny_benchmark
+
+    assert tiny_benchmark is tiny.tiny_benchmark  # its old import
+    assert "tiny" in BENCHMARKS and get_benchmark("tiny") is BENCHMARKS["tiny"]
+    assert (get_benchmark("tiny").name, get_benchmark("tiny").title) == ("tiny", "Tiny")
+    assert [p.id for p in load_problems("tiny")] == [f"{p['a']}+{p['b']}" for p in tiny.problems("test")]
 
 
 def test_hub_loading_maps_the_published_columns(monkeypatch):

@@ -13,6 +13,8 @@
 # limitations under the License.
 """The TV-OPD paper's evaluation protocol: benchmarks, mean@k, checkpoint selection, retention metrics, reports."""
 
+import importlib
+
 from .accuracy import mean_at_k, pass_at_k, summarize
 from .benchmarks import (
     BENCHMARKS,
@@ -24,7 +26,6 @@ from .benchmarks import (
     load_problems,
     read_problems,
     register_benchmark,
-    tiny_benchmark,
 )
 from .callback import BenchmarkEvalCallback
 from .evaluate import evaluate, step_dir
@@ -85,3 +86,10 @@ __all__ = [
     "tiny_benchmark",
     "trajectory_average",
 ]
+
+
+def __getattr__(name):
+    # `tiny_benchmark` lives with the tiny task, which imports this package; this old import of it resolves on use.
+    if name == "tiny_benchmark":
+        return importlib.import_module("tvopd_trl.tiny").tiny_benchmark
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

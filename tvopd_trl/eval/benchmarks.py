@@ -19,9 +19,10 @@ dataset (ids and field mappings in `BENCHMARKS`; the Hub loaders are written aga
 and could not be run in the environment this library is tested in, which has no Hub access).
 """
 
+import importlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -59,55 +60,77 @@ class Benchmark:
         return [{"role": "user", "content": (template or self.prompt_template).replace("{problem}", problem.problem)}]
 
 
-BENCHMARKS = {
-    "aime24": Benchmark("aime24", "AIME24", "HuggingFaceH4/aime_2024", "train"),
-    "aime25": Benchmark(
-        "aime25",
-        "AIME25",
-        "MathArena/aime_2025",
-        "train",
-        {"id": "problem_idx", "problem": "problem", "answer": "answer"},
-    ),
-    "aime26": Benchmark(
-        "aime26",
-        "AIME26",
-        "MathArena/aime_2026",
-        "train",
-        {"id": "problem_idx", "problem": "problem", "answer": "answer"},
-    ),
-    "amc23": Benchmark(
-        "amc23", "AMC23", "math-ai/amc23", "test", {"id": "id", "problem": "question", "answer": "answer"}
-    ),
-    "hmmt_feb_2025": Benchmark(
-        "hmmt_feb_2025",
-        "HMMT25",
-        "MathArena/hmmt_feb_2025",
-        "train",
-        {"id": "problem_idx", "problem": "problem", "answer": "answer"},
-    ),
-    "math500": Benchmark(
-        "math500",
-        "MATH500",
-        "HuggingFaceH4/MATH-500",
-        "test",
-        {"id": "unique_id", "problem": "problem", "answer": "answer"},
-    ),
-}
+class BenchmarkRegistry(MutableMapping):
+    """The benchmarks by name: a `Benchmark`, or a `"module:function"` reference to a function that returns one.
+
+    A reference is resolved (its module imported) on the first lookup of its name. That is how a package that builds
+    on this one registers its benchmark (the embedded tiny task, `tvopd_trl.tiny`) without this package importing it
+    and forming an import cycle."""
+
+    def __init__(self, entries):
+        self._entries = dict(entries)
+
+    def __getitem__(self, name):
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            module, _, function = entry.partition(":")
+            entry = self._entries[name] = getattr(importlib.import_module(module), function)()
+        return entry
+
+    def __setitem__(self, name, benchmark):
+        self._entries[name] = benchmark
+
+    def __delitem__(self, name):
+        del self._entries[name]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __contains__(self, name):  # without resolving: a name check imports nothing
+        return name in self._entries
 
 
-def tiny_benchmark(split="test"):
-    """The embedded tiny task's `split` as a benchmark (its held-out `"test"` split is registered as `"tiny"`)."""
-    from ..tiny import problems
-
-    def load():
-        return [Problem(f"{p['a']}+{p['b']}", p["question"], p["answer"]) for p in problems(split)]
-
-    # The tiny pair was trained on the bare question, so its prompt carries no instruction.
-    name = "tiny" if split == "test" else f"tiny-{split}"
-    return Benchmark(name, name.capitalize(), prompt_template="{problem}", loader=load)
-
-
-BENCHMARKS["tiny"] = tiny_benchmark()
+BENCHMARKS = BenchmarkRegistry(
+    {
+        "aime24": Benchmark("aime24", "AIME24", "HuggingFaceH4/aime_2024", "train"),
+        "aime25": Benchmark(
+            "aime25",
+            "AIME25",
+            "MathArena/aime_2025",
+            "train",
+            {"id": "problem_idx", "problem": "problem", "answer": "answer"},
+        ),
+        "aime26": Benchmark(
+            "aime26",
+            "AIME26",
+            "MathArena/aime_2026",
+            "train",
+            {"id": "problem_idx", "problem": "problem", "answer": "answer"},
+        ),
+        "amc23": Benchmark(
+            "amc23", "AMC23", "math-ai/amc23", "test", {"id": "id", "problem": "question", "answer": "answer"}
+        ),
+        "hmmt_feb_2025": Benchmark(
+            "hmmt_feb_2025",
+            "HMMT25",
+            "MathArena/hmmt_feb_2025",
+            "train",
+            {"id": "problem_idx", "problem": "problem", "answer": "answer"},
+        ),
+        "math500": Benchmark(
+            "math500",
+            "MATH500",
+            "HuggingFaceH4/MATH-500",
+            "test",
+            {"id": "unique_id", "problem": "problem", "answer": "answer"},
+        ),
+        # The embedded task's held-out split, defined beside the task.
+        "tiny": "tvopd_trl.tiny:tiny_benchmark",
+    }
+)
 
 
 def register_benchmark(name, path, *, title=None, prompt_template=DEFAULT_PROMPT_TEMPLATE, overwrite=False):

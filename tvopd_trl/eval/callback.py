@@ -129,6 +129,6 @@ class BenchmarkEvalCallback(TrainerCallback):
             return
         if state.is_world_process_zero:
             for key, value in self._evaluate(args, state).items():
-                # TRL trainers average `_metrics` into the step's log: the scores land at this step, beside the loss.
-                self.trainer._metrics["train"][key].append(value)
+                # Recorded, not logged now: the scores land in this step's log, beside the loss.
+                self.trainer.record_metric(key, value)
         control.should_log = True  # on every process: the log gathers the loss across them

@@ -11,7 +11,48 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Markdown and LaTeX tables in the layout of the paper's results tables: "mean ± std", bold best, underlined second."""
+"""The paper's results tables: their rows, computed from runs, and their layout in Markdown and LaTeX ("mean ± std",
+bold best, underlined second).
+
+Each row function takes one method's runs and aggregates across them with the sample standard deviation; `tvopd-trl
+report` and `tvopd-trl study` build their tables from these rows, so both compute the paper's numbers the same way.
+"""
+
+from .benchmarks import PAPER_BENCHMARKS
+from .selection import (
+    PAPER_LATE_WINDOW,
+    PAPER_STAGES,
+    aggregate_selections,
+    late_mean,
+    mean_std,
+    peak_drop,
+    select_checkpoint,
+    stage_averages,
+)
+
+
+def main_results_row(runs, benchmarks=PAPER_BENCHMARKS, min_step=1, max_step=1000):
+    """A method's main-results row from its runs (`{step: {benchmark: mean@k}}` each): every run selects its own
+    checkpoint ([`select_checkpoint`]), then `{benchmark: (mean, std), "avg": (mean, std)}` across runs
+    ([`aggregate_selections`]). Returns the row and the runs' selections, in order."""
+    selections = [select_checkpoint(run, benchmarks, min_step, max_step) for run in runs]
+    return aggregate_selections(selections, benchmarks), selections
+
+
+def retention_row(series, window=PAPER_LATE_WINDOW):
+    """A method's retention row from its runs' S_k (`{step: value}` each): `{"LateMean": (mean, std), "PeakDrop":
+    (mean, std)}` across runs. Every run must cover `window`."""
+    return {
+        "LateMean": mean_std(late_mean(s, window) for s in series),
+        "PeakDrop": mean_std(peak_drop(s, window) for s in series),
+    }
+
+
+def stage_row(series, stages=PAPER_STAGES):
+    """A method's stage-wise row from its runs' series (`{step: value}` each): `{stage: (mean, std)}`, averaged
+    within each stage and run, then across runs. Every run must have an evaluation in every stage."""
+    per_run = [stage_averages(s, stages) for s in series]
+    return {name: mean_std(averages[name] for averages in per_run) for name in stages}
 
 
 def _marks(values, rank_second, lower_is_better=False):

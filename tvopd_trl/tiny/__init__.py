@@ -33,7 +33,7 @@ pair (about 4 minutes, bit-identical).
 
 import os
 
-from .accuracy import evaluate_accuracy
+from .accuracy import evaluate_accuracy, tiny_benchmark
 from .task import SPLITS, problems, prompt_dataset
 
 
@@ -58,4 +58,5 @@ __all__ = [
     "prompt_dataset",
     "student_path",
     "teacher_path",
+    "tiny_benchmark",
 ]

@@ -11,13 +11,25 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Accuracy of a model on a split of the embedded task, through the evaluation module."""
+"""The embedded task as a benchmark of the evaluation module, and a model's accuracy on a split of it."""
+
+from ..eval import Benchmark, Problem, SamplingSettings, TransformersGenerator, evaluate, mean_at_k
+from .task import problems
+
+
+def tiny_benchmark(split="test"):
+    """The embedded tiny task's `split` as a benchmark (its held-out `"test"` split is registered as `"tiny"`)."""
+
+    def load():
+        return [Problem(f"{p['a']}+{p['b']}", p["question"], p["answer"]) for p in problems(split)]
+
+    # The tiny pair was trained on the bare question, so its prompt carries no instruction.
+    name = "tiny" if split == "test" else f"tiny-{split}"
+    return Benchmark(name, name.capitalize(), prompt_template="{problem}", loader=load)
 
 
 def evaluate_accuracy(model, tokenizer, split="test", k=4, greedy=False, seed=0, max_new_tokens=16, batch_size=512):
     """mean@k on `split` at the paper's sampling settings (T=0.6, top-p 0.95, top-k 20), or greedy accuracy."""
-    from ..eval import SamplingSettings, TransformersGenerator, evaluate, mean_at_k, tiny_benchmark
-
     if greedy:
         settings = SamplingSettings(k=1, temperature=0, max_new_tokens=max_new_tokens)
     else:
