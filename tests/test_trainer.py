@@ -10,7 +10,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tvopd_trl import ADVANTAGE_MODES, TVOPDConfig, TVOPDTrainer, TVScheduleCallback, compute_advantages
-from tvopd_trl.callbacks import UpdateNormCallback
+from tvopd_trl.callbacks import LearningRateScaleCallback, UpdateNormCallback
 from tvopd_trl.testing import build_model, tiny_config
 
 
@@ -685,7 +685,7 @@ def test_loss_and_gradient_match_the_direct_formula_with_a_scale_below_one(make_
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     loss = trainer.compute_loss(trainer.model, inputs)
     grads = torch.autograd.grad(loss, params)
-    assert trainer._rollout_scale == scheduler.scale
+    assert trainer.rollout_scale == scheduler.scale
 
     student = trainer.accelerator.unwrap_model(trainer.model)
     logps, _ = direct_sampled_logps(student, inputs)
@@ -788,10 +788,11 @@ def test_the_learning_rate_target_leaves_decoupled_weight_decay_unscaled(make_tr
     for p in params:
         p.grad = torch.zeros_like(p)
     before = [p.detach().clone() for p in params]
-    trainer._rollout_scale = 0.25
-    trainer._prepare_optimizer_step()
+    trainer.rollout_scale = 0.25
+    (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, LearningRateScaleCallback)]
+    callback.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control, optimizer=trainer.optimizer)
     trainer.optimizer.step()
-    trainer._finish_optimizer_step()
+    callback.on_optimizer_step(trainer.args, trainer.state, trainer.control, optimizer=trainer.optimizer)
     decayed = [group for group in trainer.optimizer.param_groups if group["weight_decay"] > 0]
     assert decayed and all(group["lr"] == 0.01 and group["weight_decay"] == 0.1 for group in decayed)  # restored
     decayed_params = {id(p) for group in decayed for p in group["params"]}

@@ -120,3 +120,39 @@ class UpdateNormCallback(TrainerCallback):
             squared = accelerator.reduce(squared, reduction="sum")  # shards add up; replicas don't
         self.before = None
         self.trainer.record_metric("update/norm", squared.sqrt().item())
+
+
+def _decouples_weight_decay(optimizer, group):
+    """Whether `optimizer` (AdamW and its kin) shrinks the weights by lr * weight_decay outside the gradient."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+
+
+class LearningRateScaleCallback(TrainerCallback):
+    """
+    With `tv_scale_target="learning_rate"`, multiplies each optimizer step's learning rate by the c_k of its rollout
+    batch (`trainer.rollout_scale`), and restores the schedule's value right after the step.
+
+    AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate. Its decoupled weight
+    decay shrinks the weights by lr * weight_decay, so `weight_decay` is divided by c_k for the step: as with c_k on the
+    advantage, only the teacher's signal is scaled (docs/method.md, section 4).
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.unscaled = None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        scale = self.trainer.rollout_scale
+        self.unscaled = [(group["lr"], group.get("weight_decay")) for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] *= scale
+            if group.get("weight_decay") and _decouples_weight_decay(optimizer, group):
+                group["weight_decay"] /= scale
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        for group, (learning_rate, decay) in zip(optimizer.param_groups, self.unscaled, strict=True):
+            group["lr"] = learning_rate
+            if decay is not None:
+                group["weight_decay"] = decay
+        self.unscaled = None

@@ -35,7 +35,7 @@ from trl.trainer.utils import (
 )
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
-from .callbacks import TVScheduleCallback, UpdateNormCallback
+from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import last_complete_checkpoint, missing_parts
 from .checks import (
     LOGIT_POSTPROCESSING_ATTRIBUTES,
@@ -61,22 +61,12 @@ logger = logging.get_logger(__name__)
 ROLLOUT_STATE_NAME = "rollout_state_{process}.pt"
 
 
-def _decouples_weight_decay(optimizer, group):
-    """Whether `optimizer` (AdamW and its kin) shrinks the weights by lr * weight_decay outside the gradient."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
-
-
 class _OptimizerStepHooks(TrainerCallback):
     """Runs the trainer's post-update bookkeeping right after `optimizer.step()`, before any `on_step_end`, logging or
-    checkpoint, so that all of them see the scheduler state of the finished step; and, just before it, with
-    `tv_scale_target="learning_rate"`, scales the step's learning rate by c_k."""
+    checkpoint, so that all of them see the scheduler state of the finished step."""
 
     def __init__(self, trainer):
         self.trainer = trainer
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._prepare_optimizer_step()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._finish_optimizer_step()
@@ -215,6 +205,8 @@ class TVOPDTrainer(DistillationTrainer):
         self.callback_handler.callbacks.insert(0, _OptimizerStepHooks(self))
         if args.log_update_norm:
             self.add_callback(UpdateNormCallback(self))
+        if args.tv_scale_target == "learning_rate":
+            self.add_callback(LearningRateScaleCallback(self))
         self.add_callback(
             TVScheduleCallback(
                 alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
@@ -227,8 +219,9 @@ class TVOPDTrainer(DistillationTrainer):
         self._sampler_logps = None
         self._truncated_prompts = 0
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
-        self._rollout_scale = 1.0
-        self._unscaled_param_groups = None
+        # The c_k of the rollout batch being trained on, read once at its first step (`LearningRateScaleCallback` reads
+        # it too)
+        self.rollout_scale = 1.0
         self._rollout_tv = None
         self._rollout_exact_tv = None
         self._rollout_grad_norm_finite = True
@@ -284,7 +277,7 @@ class TVOPDTrainer(DistillationTrainer):
             "layout": self._rollout_layout(),
             "step": self._step,
             "buffered_inputs": self._buffered_inputs,
-            "scale": self._rollout_scale,
+            "scale": self.rollout_scale,
             "tv": self._rollout_tv,
             "exact_tv": self._rollout_exact_tv,
             "grad_norm_finite": self._rollout_grad_norm_finite,
@@ -315,7 +308,7 @@ class TVOPDTrainer(DistillationTrainer):
             )
         self._step = state["step"]
         self._buffered_inputs = state["buffered_inputs"]
-        self._rollout_scale = state["scale"]
+        self.rollout_scale = state["scale"]
         self._rollout_tv = state["tv"]
         self._rollout_exact_tv = state["exact_tv"]
         self._rollout_grad_norm_finite = state["grad_norm_finite"]
@@ -671,8 +664,8 @@ class TVOPDTrainer(DistillationTrainer):
         active = rollout_active & torch.isfinite(logps).detach()
 
         if in_rollout and self._step % self._micro_steps_per_rollout == 0:
-            self._rollout_scale = self._tv_scheduler.scale  # c_k: read once, held for the whole rollout batch
-        scale = self._rollout_scale if in_rollout else self._tv_scheduler.scale
+            self.rollout_scale = self._tv_scheduler.scale  # c_k: read once, held for the whole rollout batch
+        scale = self.rollout_scale if in_rollout else self._tv_scheduler.scale
         spec = ADVANTAGE_MODE_REGISTRY[args.advantage_mode]
         advantages = compute_advantages(
             args.advantage_mode,
@@ -757,33 +750,12 @@ class TVOPDTrainer(DistillationTrainer):
                 model.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _prepare_optimizer_step(self):
-        # AdamW normalises away a slowly changing scale of the loss, but not one of the learning rate. Decoupled weight
-        # decay shrinks by lr * weight_decay: it is divided by c_k for the step, so that, as with c_k on the advantage,
-        # only the teacher's signal is scaled (docs/method.md).
-        if self.args.tv_scale_target == "learning_rate":
-            scale = self._rollout_scale
-            groups = self.optimizer.param_groups
-            self._unscaled_param_groups = [(group["lr"], group.get("weight_decay")) for group in groups]
-            for group in groups:
-                group["lr"] *= scale
-                if group.get("weight_decay") and _decouples_weight_decay(self.optimizer, group):
-                    group["weight_decay"] /= scale
-
     def _finish_optimizer_step(self):
-        if self._unscaled_param_groups is not None:
-            for group, (learning_rate, decay) in zip(
-                self.optimizer.param_groups, self._unscaled_param_groups, strict=True
-            ):
-                group["lr"] = learning_rate
-                if decay is not None:
-                    group["weight_decay"] = decay
-            self._unscaled_param_groups = None
         metrics = self._metrics["train"]
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
-        metrics["tv/scale"].append(self._rollout_scale)
+        metrics["tv/scale"].append(self.rollout_scale)
 
         self._step_statistics.log(self.accelerator, metrics)
         self._step_statistics = StepStatistics()
