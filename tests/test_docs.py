@@ -2,27 +2,34 @@
 are the ones the code uses."""
 
 import dataclasses
+import importlib
 import inspect
 import os
 import re
+import sys
 
 import pytest
 import torch
 from trl import DistillationConfig, SFTConfig
 
+from tvopd_trl import callbacks as callbacks_module
+from tvopd_trl import metrics as metrics_module
 from tvopd_trl import trainer as trainer_module
 from tvopd_trl.advantages import ADVANTAGE_MODES
 from tvopd_trl.cli import COMMANDS
 from tvopd_trl.config import TVOPDConfig
-from tvopd_trl.config_reference import PATH, documented_fields, render
 from tvopd_trl.eval import callback as eval_callback_module
+from tvopd_trl.job import MainJobArguments
 from tvopd_trl.metrics import advantage_dispersion
 from tvopd_trl.scripts.doctor import DoctorArguments
 from tvopd_trl.scripts.evaluate import EvalArguments
-from tvopd_trl.scripts.train import MainJobArguments
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The generators of the references are tools of the checkout, in scripts/, not modules of the package.
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+cli_reference = importlib.import_module("cli_reference")
+config_reference = importlib.import_module("config_reference")
 DOCS = os.path.join(ROOT, "docs")
 DOC_PAGES = sorted(os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
 LINKED_PAGES = [os.path.join(ROOT, name) for name in ("README.md", "CONTRIBUTING.md", "CHANGELOG.md")] + DOC_PAGES
@@ -50,13 +57,16 @@ def _code_spans(text):
 
 
 def test_config_reference_is_not_stale():
-    with open(PATH, encoding="utf-8") as f:
-        assert f.read() == render(), "docs/config-reference.md is stale: run `python -m tvopd_trl.config_reference`"
+    with open(config_reference.PATH, encoding="utf-8") as f:
+        assert f.read() == config_reference.render(), (
+            "docs/config-reference.md is stale: run `python scripts/config_reference.py`"
+        )
 
 
 def test_every_field_we_add_is_documented():
     inherited = {field.name for field in dataclasses.fields(DistillationConfig)}
     ours = {field.name for field in dataclasses.fields(TVOPDConfig)} - inherited
+    documented_fields = config_reference.documented_fields
     assert ours and not ours - documented_fields(TVOPDConfig), ours - documented_fields(TVOPDConfig)
     for cls in (MainJobArguments, EvalArguments, DoctorArguments):
         fields = {field.name for field in dataclasses.fields(cls)}
@@ -64,15 +74,11 @@ def test_every_field_we_add_is_documented():
 
 
 def test_cli_reference_is_not_stale():
-    from tvopd_trl import cli_reference
-
     text = _read(cli_reference.PATH)
-    assert text == cli_reference.render(), "docs/cli.md is stale: run `python -m tvopd_trl.cli_reference`"
+    assert text == cli_reference.render(), "docs/cli.md is stale: run `python scripts/cli_reference.py`"
 
 
 def test_cli_reference_ignores_the_terminal_width(monkeypatch):
-    from tvopd_trl import cli_reference
-
     monkeypatch.setenv("COLUMNS", "40")
     narrow = cli_reference.render()
     monkeypatch.setenv("COLUMNS", "300")
@@ -80,11 +86,9 @@ def test_cli_reference_ignores_the_terminal_width(monkeypatch):
 
 
 def test_cli_reference_covers_every_command():
-    from tvopd_trl import cli_reference
-
     text = cli_reference.render()
     for command in COMMANDS:
-        assert command in cli_reference.EXAMPLES, f"add examples of `{command}` to tvopd_trl.cli_reference.EXAMPLES"
+        assert command in cli_reference.EXAMPLES, f"add examples of `{command}` to scripts/cli_reference.py"
         assert f"## tvopd-trl {command}\n" in text
         assert f"usage: tvopd-trl {command} " in text, command
         examples, _ = cli_reference.EXAMPLES[command]
@@ -156,8 +160,10 @@ METRIC = re.compile(rf"(?:eval_)?(?:{'|'.join(METRIC_GROUPS)})/[\w/@*<>]+|(?:eva
 def _logged_metrics():
     """The metric names TVOPDTrainer records (its source is the source of truth), and those TRL's base trainer adds."""
     names = "|".join(METRIC_GROUPS[:-1])
-    ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', inspect.getsource(trainer_module)))
-    assert 'f"advantage/{name}"' in inspect.getsource(trainer_module)
+    # The trainer logs its own metrics, those of `metrics.StepStatistics` and those of its callbacks
+    source = "".join(inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module))
+    ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', source))
+    assert 'f"advantage/{name}"' in source
     ours |= {f"advantage/{name}" for name in advantage_dispersion(torch.zeros(0))}
     from trl.trainer import distillation_trainer
 

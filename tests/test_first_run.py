@@ -110,8 +110,10 @@ def test_pinned_memory_is_off_without_an_accelerator_unless_asked_for(
     from tvopd_trl.scripts import train
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
-    monkeypatch.setattr(train, "main", lambda job_args, training_args: training_args)  # parse only, no training
+    parsed = []
+    monkeypatch.setattr(train, "main", lambda job_args, training_args: parsed.append(training_args))  # no training
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.read_text() + (f"dataloader_pin_memory: {recipe_value}\n" if recipe_value else ""))
-    training_args = train.run(["--config", str(recipe), "--output_dir", str(tmp_path), *flags])
+    assert train.run(["--config", str(recipe), "--output_dir", str(tmp_path), *flags]) == 0
+    (training_args,) = parsed
     assert training_args.dataloader_pin_memory is pinned

@@ -1,4 +1,4 @@
-"""The local Hub stand-in (`tvopd_trl.testing_hub`) against the real `huggingface_hub` and `transformers` clients."""
+"""The local Hub stand-in (`tests/hub_stand_in.py`) against the real `huggingface_hub` and `transformers` clients."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
 
-from tvopd_trl.testing_hub import local_hub
+from .hub_stand_in import local_hub
 
 
 @pytest.fixture

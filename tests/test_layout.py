@@ -3,8 +3,6 @@
 import ast
 import os
 
-import pytest
-
 import tvopd_trl
 
 
@@ -112,8 +110,6 @@ def test_eval_is_the_bottom_layer():
     assert not {module: targets for module, targets in outside.items() if targets}
 
 
-# Remove the mark once the scripts' library code has moved out (cli.py still imports `scripts.push`).
-@pytest.mark.xfail(reason="the commands' library code is moving out of tvopd_trl/scripts", strict=False)
 def test_only_the_scripts_import_the_scripts():
     importers = {
         module: sorted(target for target in targets if target.startswith("tvopd_trl.scripts"))

@@ -1,18 +1,21 @@
 """Publishing: `tvopd-trl push` (the selected checkpoint and its card) and the main job's `push_to_hub`, against a local
-stand-in of the Hub (`tvopd_trl.testing_hub`); and the failures without network or token, which leave the run as it was.
+stand-in of the Hub (`tests/hub_stand_in.py`); and the failures without network or token, which leave the run as it was.
 """
 
+import contextlib
 import hashlib
 import os
+from unittest import mock
 
 import pytest
 
 from tvopd_trl.cli import main as cli
 from tvopd_trl.eval import BenchmarkEvalCallback, SamplingSettings
-from tvopd_trl.scripts.push import PushError, push_run
+from tvopd_trl.push import PushError, push_run
 from tvopd_trl.scripts.train import run as train
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
-from tvopd_trl.testing_hub import local_hub
+
+from .hub_stand_in import local_hub
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +85,11 @@ def test_a_failed_push_says_why_and_leaves_the_run_untouched(run_dir, failure, m
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("HF_HOME", str(run_dir.parent / "hf-home"))  # no saved login either
     before = _snapshot(run_dir)
-    with local_hub() as hub, hub.as_default():
+    with local_hub() as hub, hub.as_default(), contextlib.ExitStack() as stack:
         if failure == "no network":
-            monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+            # Nothing listens on the discard port. Undone before `as_default` restores the real endpoint: a
+            # monkeypatch, undone after that, would leave the stand-in's endpoint to later tests.
+            stack.enter_context(mock.patch.object(constants, "ENDPOINT", "http://127.0.0.1:9"))
             token = "hf_test"
         else:
             token = False  # no Authorization header at all

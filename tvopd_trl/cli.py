@@ -22,6 +22,8 @@
 - `tvopd-trl push RUN_DIR --repo_id USER/NAME`: uploads a run's selected checkpoint, with its model card, to the Hub.
 - `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
 - `tvopd-trl study --config study.yaml`: a resumable (method x seed) grid and the paper's tables and figures.
+
+Each command is a module of `tvopd_trl.scripts` with `make_parser(prog)` and `run(argv)`, named in `COMMANDS`.
 """
 
 import importlib
@@ -103,64 +105,74 @@ def _fill_launch_defaults(launch, training_args):
     return launch
 
 
-COMMANDS = {
-    "train": "run the TV-OPD main job",
-    "eval": "evaluate a model or a run's checkpoints on benchmarks",
-    "select": "select each run's checkpoint",
-    "report": "tables and curves from runs' evaluations",
-    "push": "upload a run's selected checkpoint to the Hub",
-    "doctor": "check a teacher/student pair for silent teacher-scoring bugs",
-    "study": "run a (method x seed) grid and write the paper's tables and figures",
-}
+class Command:
+    """`tvopd-trl NAME`: the `make_parser(prog)` and `run(argv) -> int` of `tvopd_trl.scripts.<module>` (by default,
+    the module named NAME)."""
+
+    def __init__(self, name, help_text, module=None):
+        self.name, self.help_text, self.module = name, help_text, f"tvopd_trl.scripts.{module or name}"
+
+    def make_parser(self):
+        return importlib.import_module(self.module).make_parser(prog=f"tvopd-trl {self.name}")
+
+    def run(self, argv):
+        return importlib.import_module(self.module).run(argv)
 
 
-def command_parser(command):
-    """The argument parser of `tvopd-trl COMMAND` (docs/cli.md is generated from these)."""
-    if command in ("select", "report"):
-        from .scripts.report import make_parser
+class LaunchedCommand(Command):
+    """A training script: like `trl sft`, it runs in the processes `accelerate launch` starts; the recipe keys and
+    flags the script does not know go to `accelerate launch`."""
 
-        return make_parser(command)
-    module = importlib.import_module(f".scripts.{'evaluate' if command == 'eval' else command}", __package__)
-    return module.make_parser(prog=f"tvopd-trl {command}")
+    def run(self, argv):
+        from accelerate.commands.launch import launch_command, launch_command_parser
+        from transformers import TrainingArguments
 
+        from .job import check_launch_options
 
-def main(argv=None) -> int:
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
-    from .scripts.train import check_launch_options, make_parser
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False, description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=COMMANDS, help="; ".join(f"`{c}`: {h}" for c, h in COMMANDS.items()))
-    if not argv or argv[0] not in COMMANDS:
-        parser.print_help()
-        return 0 if not argv else 2
-    command, script_argv = argv[0], argv[1:]
-    if command != "train":
-        from .scripts import doctor, evaluate, push, report, study
-
-        runners = {"eval": evaluate.run, "push": push.run, "doctor": doctor.run, "study": study.run}
-        try:
-            status = runners[command](script_argv) if command in runners else report.run(command, script_argv)
-        except (ValueError, FileNotFoundError, push.PushError) as error:  # the message says what to fix
-            print(f"tvopd-trl {command}: error: {error}", file=sys.stderr)
-            return 2
-        return status if isinstance(status, int) else 0  # `doctor` returns 1 when a check fails
-    # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both fail
-    # here, on bad input, before any process starts or any model loads.
-    try:
-        _, training_args, config_remaining, cli_remaining = make_parser(prog="tvopd-trl train").parse_args_and_config(
-            script_argv, return_remaining_strings=True, separate_remaining_strings=True
+        # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both
+        # fail here, on bad input, before any process starts or any model loads.
+        *parsed, config_remaining, cli_remaining = self.make_parser().parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
         )
         check_launch_options(config_remaining + cli_remaining)
         launch_args = _accelerate_launch_args(config_remaining, cli_remaining)
-    except ValueError as error:
-        print(f"tvopd-trl train: error: {error}", file=sys.stderr)
+        training_args = next(args for args in parsed if isinstance(args, TrainingArguments))
+        script_args = _subtract_subsequence(argv, cli_remaining)
+        launch = launch_command_parser().parse_args([*launch_args, "-m", self.module, *script_args])
+        launch_command(_fill_launch_defaults(launch, training_args))
+        return 0
+
+
+COMMANDS = {
+    command.name: command
+    for command in (
+        LaunchedCommand("train", "run the TV-OPD main job"),
+        Command("eval", "evaluate a model or a run's checkpoints on benchmarks", module="evaluate"),
+        Command("select", "select each run's checkpoint"),
+        Command("report", "tables and curves from runs' evaluations"),
+        Command("push", "upload a run's selected checkpoint to the Hub"),
+        Command("doctor", "check a teacher/student pair for silent teacher-scoring bugs"),
+        Command("study", "run a (method x seed) grid and write the paper's tables and figures"),
+    )
+}
+
+
+def main(argv=None) -> int:
+    from .push import PushError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False, description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "command", choices=COMMANDS, help="; ".join(f"`{name}`: {c.help_text}" for name, c in COMMANDS.items())
+    )
+    if not argv or argv[0] not in COMMANDS:
+        parser.print_help()
+        return 0 if not argv else 2
+    try:
+        return COMMANDS[argv[0]].run(argv[1:])
+    except (ValueError, FileNotFoundError, PushError) as error:  # the message says what to fix
+        print(f"tvopd-trl {argv[0]}: error: {error}", file=sys.stderr)
         return 2
-    script_args = _subtract_subsequence(script_argv, cli_remaining)
-    launch = launch_command_parser().parse_args([*launch_args, "-m", "tvopd_trl.scripts.train", *script_args])
-    launch_command(_fill_launch_defaults(launch, training_args))
-    return 0
 
 
 if __name__ == "__main__":

@@ -132,15 +132,16 @@ def check_vocab_sizes(student_config, teacher_config, tokenizer_size):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def rollouts(trainer, prompts):
-    """The trainer's generation and teacher scoring on `prompts`, plus pi_old's log-probs of the sampled tokens."""
+def rollouts(trainer, prompts, exact_divergences=False):
+    """The trainer's generation and teacher scoring on `prompts`, plus pi_old's log-probs of the sampled tokens (and,
+    with `exact_divergences`, the exact per-state `exact_tv` and `reverse_kl` of a local teacher)."""
     set_seed(trainer.args.seed)
-    batch = trainer._generate_and_score_completions(prompts)
+    batch = trainer.score_completions(
+        trainer.generate_and_score(prompts), old_logps=True, exact_divergences=exact_divergences
+    )
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     keep = batch["completion_ids"].size(1)
-    with torch.no_grad():
-        batch["old_logps"] = trainer._sampled_token_logps(trainer.model, ids, mask, keep)
     batch["input_ids"], batch["attention_mask"], batch["keep"] = ids, mask, keep
     batch["active"] = batch["completion_mask"].bool()
     return batch
@@ -245,8 +246,7 @@ def pair_report(trainer, batch, z_threshold):
     summary = f"mean delta {float(delta.mean()):+.3f} nats (reverse KL estimate {float(-delta.mean()):.3f}); TV estimate {estimate:.3f}"
     if trainer.teacher_model is None:
         return Check("teacher vs student", INFO, summary + " (served teacher: no exact TV)")
-    with torch.no_grad():
-        _, exact = trainer._exact_divergences(batch["input_ids"], batch["attention_mask"], batch["keep"])
+    exact = batch["exact_tv"]
     x = (1 - (batch["teacher_logps"] - batch["old_logps"]).exp()).clamp_min(0.0)[active]
     residual = x - exact[active]
     z = z_score(residual, residual**2)
@@ -294,7 +294,7 @@ def _build(trainer_kwargs, **overrides):
 
 def diagnose(job_args, training_args, num_prompts=8, max_completion_length=128, tolerance=1e-3, z_threshold=5.0):
     """Every check, in order, on the pair and prompts the main job would use with this config."""
-    from .scripts.train import load_job
+    from .job import load_job
 
     student_path, teacher_path, tokenizer, dataset = load_job(job_args, training_args)
     prompts = [dataset[i] for i in range(min(num_prompts, len(dataset)))]
@@ -342,7 +342,7 @@ def diagnose(job_args, training_args, num_prompts=8, max_completion_length=128, 
             teacher_processing_class=teacher_tokenizer,
         )
         checks += notes
-        batch = rollouts(trainer, prompts)
+        batch = rollouts(trainer, prompts, exact_divergences=not served)
         if not served:
             checks.append(check_dtypes(student_dtype, next(trainer.teacher_model.parameters()).dtype))
             checks.append(check_padded_vocabulary(trainer.teacher_model, batch, len(tokenizer), args.temperature))

@@ -233,35 +233,32 @@ def _aggregate(values):
 
 def retention_rows(study, results, methods):
     """Per method: selected-checkpoint, final, LateMean and PeakDrop accuracy, (mean, std) across seeds."""
-    from .eval.selection import late_mean, peak_drop, select_checkpoint
+    from .eval.tables import main_results_row, retention_row
 
     window = _steps(study.analysis["late_window"])
     benchmark = study.overrides.get("eval_benchmark", "tiny")
     rows = {}
     for method in methods:
-        runs = results[method]
-        selected = [
-            select_checkpoint({step: {benchmark: value} for step, value in run["accuracy"].items()}, [benchmark]).mean
-            for run in runs
-        ]
+        series = [run["accuracy"] for run in results[method]]
+        runs = [{step: {benchmark: value} for step, value in s.items()} for s in series]
+        retention = retention_row(series, window)
         rows[study.methods[method]["name"]] = {
-            "selected": _aggregate(selected),
-            "final": _aggregate(run["accuracy"][max(run["accuracy"])] for run in runs),
-            "late_mean": _aggregate(late_mean(run["accuracy"], window) for run in runs),
-            "peak_drop": _aggregate(peak_drop(run["accuracy"], window) for run in runs),
+            "selected": main_results_row(runs, [benchmark])[0]["avg"],
+            "final": _aggregate(s[max(s)] for s in series),
+            "late_mean": retention["LateMean"],
+            "peak_drop": retention["PeakDrop"],
         }
     return rows
 
 
 def stage_rows(study, results, methods):
-    from .eval.selection import stage_averages
+    from .eval.tables import stage_row
 
     stages = {name: tuple(bounds) for name, bounds in study.analysis["stages"].items()}
-    rows = {}
-    for method in methods:
-        per_run = [stage_averages(run["accuracy"], stages) for run in results[method]]
-        rows[study.methods[method]["name"]] = {name: _aggregate(r[name] for r in per_run) for name in stages}
-    return rows
+    return {
+        study.methods[method]["name"]: stage_row([run["accuracy"] for run in results[method]], stages)
+        for method in methods
+    }
 
 
 def magnitude_rows(study, results, methods):
@@ -287,12 +284,12 @@ def first_batch_delta(study):
 
     from .advantages import LOG_FLOAT32_TINY, token_delta
     from .doctor import rollouts
-    from .scripts.train import load_job, make_parser
+    from .job import job_parser, load_job
     from .trainer import TVOPDTrainer
 
     with tempfile.TemporaryDirectory() as output_dir:
         flags = _flags({**grid(study)[0].settings, "output_dir": output_dir, "report_to": "none"})
-        job_args, training_args = make_parser().parse_args_and_config(
+        job_args, training_args = job_parser().parse_args_and_config(
             args=["--config", study.recipe, *flags], fail_with_unknown_args=False
         )[:2]
         student, teacher, tokenizer, dataset = load_job(job_args, training_args)

@@ -22,16 +22,23 @@ from dataclasses import asdict, dataclass
 import torch
 
 
+# The TV-OPD paper's evaluation sampling: the defaults of every evaluation here (`tvopd-trl eval`, the main job's).
+PAPER_TEMPERATURE = 0.6
+PAPER_TOP_P = 0.95
+PAPER_TOP_K = 20
+PAPER_MAX_NEW_TOKENS = 31_744
+
+
 @dataclass
 class SamplingSettings:
     """The evaluation's sampling settings; the defaults are the TV-OPD paper's (mean@16 at T=0.6, top-p 0.95,
     top-k 20, up to 31,744 new tokens). `temperature=0` decodes greedily (all k responses are then the same one)."""
 
     k: int = 16
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
-    max_new_tokens: int = 31744
+    temperature: float = PAPER_TEMPERATURE
+    top_p: float = PAPER_TOP_P
+    top_k: int = PAPER_TOP_K
+    max_new_tokens: int = PAPER_MAX_NEW_TOKENS
     seed: int = 0
 
     def __post_init__(self):

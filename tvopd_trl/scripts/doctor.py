@@ -54,12 +54,9 @@ class DoctorArguments:
 
 
 def make_parser(prog=None):
-    from trl import TrlParser
+    from ..job import job_parser
 
-    from ..config import TVOPDConfig
-    from .train import MainJobArguments
-
-    return TrlParser((DoctorArguments, MainJobArguments, TVOPDConfig), prog=prog)
+    return job_parser(DoctorArguments, prog=prog)
 
 
 def run(argv=None):
@@ -67,9 +64,9 @@ def run(argv=None):
     from rich.table import Table
 
     from ..doctor import FAIL, diagnose
-    from .train import check_launch_options
+    from ..job import check_launch_options
 
-    doctor_args, job_args, training_args, remaining = make_parser().parse_args_and_config(
+    doctor_args, job_args, training_args, remaining = make_parser(prog="tvopd-trl doctor").parse_args_and_config(
         args=argv, return_remaining_strings=True
     )
     check_launch_options(remaining)  # a recipe's `accelerate launch` keys are fine; a typo is not

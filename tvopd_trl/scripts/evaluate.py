@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..eval.benchmarks import PAPER_BENCHMARKS
+from ..eval.generation import PAPER_MAX_NEW_TOKENS, PAPER_TEMPERATURE, PAPER_TOP_K, PAPER_TOP_P
 from ..eval.grading import DEFAULT_TIMEOUT_SECONDS
 
 
@@ -90,10 +91,10 @@ class EvalArguments:
     output_dir: str | None = field(default=None, metadata={"help": "Output folder of a single model's evaluation."})
     backend: str = field(default="auto", metadata={"help": "transformers, vllm or auto."})
     k: int = field(default=16, metadata={"help": "Samples per problem (mean@k)."})
-    temperature: float = field(default=0.6, metadata={"help": "Sampling temperature (0: greedy)."})
-    top_p: float = field(default=0.95, metadata={"help": "Top-p."})
-    top_k: int = field(default=20, metadata={"help": "Top-k."})
-    max_new_tokens: int = field(default=31744, metadata={"help": "Generation budget per response."})
+    temperature: float = field(default=PAPER_TEMPERATURE, metadata={"help": "Sampling temperature (0: greedy)."})
+    top_p: float = field(default=PAPER_TOP_P, metadata={"help": "Top-p."})
+    top_k: int = field(default=PAPER_TOP_K, metadata={"help": "Top-k."})
+    max_new_tokens: int = field(default=PAPER_MAX_NEW_TOKENS, metadata={"help": "Generation budget per response."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
     prompt_template: str | None = field(default=None, metadata={"help": "User turn with {problem}."})
     batch_size: int = field(default=64, metadata={"help": "Sequences per generate call (transformers)."})
@@ -236,7 +237,8 @@ def make_parser(prog=None):
 
 def run(argv=None):
     (args,) = make_parser(prog="tvopd-trl eval").parse_args_and_config(args=argv)
-    return main(args)
+    main(args)
+    return 0
 
 
 if __name__ == "__main__":

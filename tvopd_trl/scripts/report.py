@@ -65,7 +65,8 @@ def _method(text):
     return name.strip(), _names(runs)
 
 
-def _selection_arguments(parser):
+def add_selection_arguments(parser):
+    """The options `tvopd-trl select` and `tvopd-trl report` share: what a checkpoint is selected on."""
     parser.add_argument("--benchmarks", type=_names, default=list(PAPER_BENCHMARKS), help="Benchmarks averaged.")
     parser.add_argument(
         "--k", type=int, default=None, help="The mean@k protocol to select on (default: the only one)."
@@ -116,19 +117,8 @@ def select(args):
 
 def report(args):
     """Writes the main-results, stage-wise and retention tables (Markdown and LaTeX), curves and `report.json`."""
-    from ..eval.selection import (
-        aggregate_score,
-        aggregate_selections,
-        align_runs,
-        evaluated_ks,
-        late_mean,
-        load_run,
-        mean_std,
-        peak_drop,
-        select_checkpoint,
-        stage_averages,
-    )
-    from ..eval.tables import format_table
+    from ..eval.selection import aggregate_score, align_runs, evaluated_ks, load_run
+    from ..eval.tables import format_table, main_results_row, retention_row, stage_row
     from ..plots import plot_curves
 
     os.makedirs(args.output_dir, exist_ok=True)
@@ -146,8 +136,7 @@ def report(args):
     selection_runs = {method: {run: load_run(run, args.k) for run in runs} for method, runs in methods.items()}
     main_rows, student = {}, None
     for method, runs in selection_runs.items():
-        selections = [select_checkpoint(run, args.benchmarks, args.min_step, args.max_step) for run in runs.values()]
-        main_rows[method] = aggregate_selections(selections, args.benchmarks)
+        main_rows[method], selections = main_results_row(runs.values(), args.benchmarks, args.min_step, args.max_step)
         outputs.setdefault("selected_steps", {})[method] = {
             label: s.step for label, s in zip(runs, selections, strict=True)
         }
@@ -194,18 +183,15 @@ def report(args):
         for stage, bounds in args.stages.items():
             row = {}
             for method, runs in series_of[name].items():
-                covered = [stage_averages(s, {stage: bounds})[stage] for s in runs if _covers_stage(s, bounds)]
-                row[method] = mean_std(covered)[0] if covered else None
+                covered = [s for s in runs if _covers_stage(s, bounds)]
+                row[method] = stage_row(covered, {stage: bounds})[stage][0] if covered else None
                 if len(covered) < len(runs):
                     gaps.append(f"{method}: {len(runs) - len(covered)} run(s) without {stage}-stage evaluations")
             stage_rows[f"{get_benchmark(name).title}, {stage} stage"] = row
     retention_rows = {}
     for method, runs in series_of[aggregate_name].items():
         if all(all(step in s for step in args.late_window) for s in runs):
-            retention_rows[method] = {
-                "LateMean": mean_std(late_mean(s, args.late_window) for s in runs),
-                "PeakDrop": mean_std(peak_drop(s, args.late_window) for s in runs),
-            }
+            retention_rows[method] = retention_row(runs, args.late_window)
         else:
             retention_rows[method] = {"LateMean": None, "PeakDrop": None}
             gaps.append(f"{method}: not every run was evaluated at every step of the late window")
@@ -254,19 +240,13 @@ def _covers_stage(series, bounds):
     return any(bounds[0] <= step <= bounds[1] for step in series)
 
 
-def make_parser(command):
-    parser = argparse.ArgumentParser(
-        prog=f"tvopd-trl {command}", description=(select if command == "select" else report).__doc__
-    )
-    if command == "select":
-        parser.add_argument("runs", nargs="+", help="Run directories with eval/mean@<k>/step-<N>/ evaluations.")
-        _selection_arguments(parser)
-        return parser
+def make_parser(prog=None):
+    parser = argparse.ArgumentParser(prog=prog, description=report.__doc__)
     parser.add_argument(
         "--method", type=_method, action="append", required=True, help="NAME=RUN_DIR[,RUN_DIR...]; repeat per method."
     )
     parser.add_argument("--output_dir", required=True, help="Where the tables, curves and report.json go.")
-    _selection_arguments(parser)
+    add_selection_arguments(parser)
     parser.add_argument("--curve_k", type=int, default=None, help="mean@k protocol of curves, stages and retention.")
     parser.add_argument(
         "--retention_benchmarks", type=_names, default=list(RETENTION_BENCHMARKS), help="Benchmarks averaged into S_k."
@@ -284,6 +264,6 @@ def make_parser(command):
     return parser
 
 
-def run(command, argv=None):
-    args = make_parser(command).parse_args(argv)
-    return select(args) if command == "select" else report(args)
+def run(argv=None):
+    report(make_parser(prog="tvopd-trl report").parse_args(argv))
+    return 0

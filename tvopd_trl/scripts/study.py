@@ -29,7 +29,7 @@ def make_parser(prog=None):
 def run(argv=None):
     from ..study import analyze, load_study, run_grid
 
-    args = make_parser().parse_args(argv)
+    args = make_parser(prog="tvopd-trl study").parse_args(argv)
     study = load_study(args.config)
     if args.parallel is not None:
         study.parallel = args.parallel
@@ -37,3 +37,4 @@ def run(argv=None):
         run_grid(study)
     if not args.skip_analysis:
         analyze(study)
+    return 0

@@ -52,7 +52,7 @@ Pointing a client at it:
   module-level `HfApi` instance, and transformers' cached `HfApi` (`transformers.utils.hub._hf_api`, which
   `Trainer.init_hf_repo` and `Trainer.push_to_hub` use, and which takes no endpoint); all are restored on exit.
 
-    from tvopd_trl.testing_hub import local_hub
+    from .hub_stand_in import local_hub
 
     with local_hub(token="hf_test") as hub:
         HfApi(endpoint=hub.endpoint, token="hf_test").upload_folder(repo_id="user/tiny", folder_path=path)

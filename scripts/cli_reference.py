@@ -14,7 +14,7 @@
 """The command-line reference (docs/cli.md), generated from the argument parsers of `tvopd-trl`'s commands.
 
 ```bash
-python -m tvopd_trl.cli_reference   # rewrites docs/cli.md; a test fails while it is stale
+python scripts/cli_reference.py   # rewrites docs/cli.md; a test fails while it is stale
 ```
 
 The help text is formatted at a fixed width, without colour, so the file is the same on every machine and terminal.
@@ -25,6 +25,13 @@ help here lists only the options this package adds, so that the page does not ch
 import dataclasses
 import functools
 import os
+
+from trl import DistillationConfig
+
+from tvopd_trl.cli import COMMANDS
+from tvopd_trl.config import TVOPDConfig
+from tvopd_trl.job import MainJobArguments
+from tvopd_trl.scripts.doctor import DoctorArguments
 
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")
@@ -116,12 +123,6 @@ def _own_options(command):
     """The dests of the options `tvopd-trl COMMAND` adds to TRL's and transformers' (None: the command has no others)."""
     if command not in ("train", "doctor"):
         return None
-    from trl import DistillationConfig
-
-    from .config import TVOPDConfig
-    from .scripts.doctor import DoctorArguments
-    from .scripts.train import MainJobArguments
-
     inherited = {field.name for field in dataclasses.fields(DistillationConfig)}
     own = {field.name for field in dataclasses.fields(TVOPDConfig)} - inherited
     classes = (MainJobArguments,) + ((DoctorArguments,) if command == "doctor" else ())
@@ -131,9 +132,7 @@ def _own_options(command):
 def help_text(command):
     """`tvopd-trl COMMAND --help`, at `WIDTH` columns and without colour, whatever the terminal; for `train` and
     `doctor`, without the options inherited from TRL and transformers."""
-    from .cli import command_parser
-
-    parser = command_parser(command)
+    parser = COMMANDS[command].make_parser()
     parser.formatter_class = functools.partial(parser.formatter_class, width=WIDTH)
     if hasattr(parser, "color"):  # Python 3.14+ colours help text on a terminal
         parser.color = False
@@ -153,32 +152,31 @@ def help_text(command):
 
 def render():
     """The whole reference, as Markdown."""
-    from .cli import COMMANDS
-
     out = [
         "# Command-line reference",
         "",
-        "Generated from the argument parsers by `python -m tvopd_trl.cli_reference`; do not edit by hand. "
+        "Generated from the argument parsers by `python scripts/cli_reference.py`; do not edit by hand. "
         "`tvopd-trl COMMAND --help` prints the same text, with `train` and `doctor` also listing every option they "
         "inherit from TRL and transformers.",
         "",
         "| command | purpose |",
         "| --- | --- |",
     ]
-    out += [f"| [`{command}`](#tvopd-trl-{command}) | {purpose} |" for command, purpose in COMMANDS.items()]
-    for command, purpose in COMMANDS.items():
-        examples, notes = EXAMPLES.get(command, ([], []))
-        out += ["", f"## tvopd-trl {command}", "", f"{purpose[0].upper()}{purpose[1:]}.", ""]
+    out += [f"| [`{name}`](#tvopd-trl-{name}) | {command.help_text} |" for name, command in COMMANDS.items()]
+    for name, command in COMMANDS.items():
+        examples, notes = EXAMPLES.get(name, ([], []))
+        purpose = command.help_text
+        out += ["", f"## tvopd-trl {name}", "", f"{purpose[0].upper()}{purpose[1:]}.", ""]
         if examples:
             out += ["```bash", *examples, "```", ""]
         for note in notes:
             out += [note, ""]
-        text = help_text(command)
+        text = help_text(name)
         lines = text.count("\n") + 1
         if lines > LONG_HELP_LINES:
             out += [
                 "<details>",
-                f"<summary><code>tvopd-trl {command} --help</code> ({lines} lines)</summary>",
+                f"<summary><code>tvopd-trl {name} --help</code> ({lines} lines)</summary>",
                 "",
                 "```text",
                 text,

@@ -14,7 +14,7 @@
 """The configuration reference (docs/config-reference.md), generated from the dataclass docstrings.
 
 ```bash
-python -m tvopd_trl.config_reference   # rewrites docs/config-reference.md; a test fails while it is stale
+python scripts/config_reference.py   # rewrites docs/config-reference.md; a test fails while it is stale
 ```
 """
 
@@ -22,16 +22,16 @@ import inspect
 import os
 import re
 
+from tvopd_trl.config import TVOPDConfig
+from tvopd_trl.job import MainJobArguments
+from tvopd_trl.scripts.doctor import DoctorArguments
+from tvopd_trl.scripts.evaluate import EvalArguments
+
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config-reference.md")
 
 
 def _classes():
-    from .config import TVOPDConfig
-    from .scripts.doctor import DoctorArguments
-    from .scripts.evaluate import EvalArguments
-    from .scripts.train import MainJobArguments
-
     return [
         (
             TVOPDConfig,
@@ -79,7 +79,7 @@ def render():
     out = [
         "# Configuration reference",
         "",
-        "Generated from the dataclass docstrings by `python -m tvopd_trl.config_reference`; do not edit by hand.",
+        "Generated from the dataclass docstrings by `python scripts/config_reference.py`; do not edit by hand.",
         "Recipes set these as YAML keys, and the command line as `--name value` flags.",
     ]
     for cls, title, note in _classes():

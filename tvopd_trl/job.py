@@ -1,0 +1,221 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The main job as a library: its arguments, the student, teacher and prompts it loads, the accuracy it measures, and
+the checks it makes before any model loads.
+
+`tvopd_trl.scripts.train` runs the job (`tvopd-trl train`); `tvopd-trl doctor` and `tvopd_trl.study` load what it
+would load, from the same recipe.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer
+
+from .eval import SamplingSettings, TransformersGenerator, evaluate, get_benchmark, load_problems, mean_at_k
+from .eval.generation import PAPER_TEMPERATURE, PAPER_TOP_K, PAPER_TOP_P
+
+
+@dataclass
+class MainJobArguments:
+    r"""
+    Arguments of the main job that are not training arguments.
+
+    Parameters:
+        > Parameters that control the models and the data
+
+        model_name_or_path (`str`, *optional*):
+            Student model id or path. Defaults to the embedded tiny student. The teacher is the config's
+            `teacher_model_name_or_path`, defaulting to the embedded tiny teacher, or the server at the config's
+            `teacher_model_server_url` (then `teacher_model_name_or_path`, if set, only names its tokenizer).
+        dataset_name (`str`, *optional*):
+            Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
+            task's OPD prompt split.
+        dataset_config (`str`, *optional*):
+            Configuration of `dataset_name` on the Hub (e.g. `all` for `open-r1/DAPO-Math-17k-Processed`).
+        dataset_train_split (`str`, *optional*, defaults to `"train"`):
+            Split of `dataset_name` to train on.
+        dataset_prompt_column (`str`, *optional*):
+            Column of `dataset_name` that holds the prompt: chat messages are used as they are, a problem text becomes
+            one user turn followed by the evaluation's `\\boxed{}` instruction (`tvopd_trl.prompts`). Defaults to the
+            first of `prompt`, `question` and `problem` that exists. Every other column is dropped.
+        eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
+            Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
+            the embedded task's held-out split, `tiny`) or a JSONL file with `id`, `problem` and `answer` fields.
+        eval_data_dir (`str`, *optional*):
+            Folder with `<benchmark>.jsonl` files, read instead of the Hub for the paper's benchmarks.
+
+        > Parameters that control the accuracy evaluation
+
+        eval_problems (`int`, *optional*, defaults to `200`):
+            Number of benchmark problems evaluated (the first ones). `0` disables the evaluation.
+        eval_k (`int`, *optional*, defaults to `4`):
+            Samples per problem: the reported accuracy is mean@k.
+        eval_temperature (`float`, *optional*, defaults to `0.6`):
+            Sampling temperature of the evaluation (the paper's).
+        eval_top_p (`float`, *optional*, defaults to `0.95`):
+            Top-p of the evaluation (the paper's).
+        eval_top_k (`int`, *optional*, defaults to `20`):
+            Top-k of the evaluation (the paper's).
+        eval_max_new_tokens (`int`, *optional*, defaults to `16`):
+            Generation budget per response. The paper's is 31,744; the embedded task's answers need a few tokens.
+        eval_every_steps (`int`, *optional*, defaults to `50`):
+            Evaluate the student every this many optimizer steps, for the accuracy curve. `0` disables it.
+        eval_batch_size (`int`, *optional*, defaults to `512`):
+            Sequences generated at once by the evaluation.
+        eval_teacher (`bool`, *optional*, defaults to `True`):
+            Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead.
+    """
+
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Configuration of `dataset_name`."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
+    dataset_prompt_column: str | None = field(
+        default=None,
+        metadata={"help": "Prompt column (chat messages, or a problem text); default: prompt, question or problem."},
+    )
+    eval_benchmark: str = field(
+        default="tiny", metadata={"help": "Benchmark name or JSONL file (id, problem, answer)."}
+    )
+    eval_data_dir: str | None = field(default=None, metadata={"help": "Folder with local <benchmark>.jsonl files."})
+    eval_problems: int = field(default=200, metadata={"help": "Held-out problems evaluated; 0 disables."})
+    eval_k: int = field(default=4, metadata={"help": "Samples per problem (mean@k)."})
+    eval_temperature: float = field(default=PAPER_TEMPERATURE, metadata={"help": "Evaluation sampling temperature."})
+    eval_top_p: float = field(default=PAPER_TOP_P, metadata={"help": "Evaluation top-p."})
+    eval_top_k: int = field(default=PAPER_TOP_K, metadata={"help": "Evaluation top-k."})
+    eval_max_new_tokens: int = field(default=16, metadata={"help": "Evaluation generation budget."})
+    eval_every_steps: int = field(default=50, metadata={"help": "Accuracy-curve interval in steps; 0 disables."})
+    eval_batch_size: int = field(default=512, metadata={"help": "Sequences generated at once by the evaluation."})
+    eval_teacher: bool = field(default=True, metadata={"help": "Evaluate the teacher too."})
+
+
+def job_parser(*dataclass_types, prog=None):
+    """The parser of the main job's recipe and flags (`MainJobArguments`, `TVOPDConfig`), after a command's own
+    `dataclass_types`."""
+    from trl import TrlParser
+
+    from .config import TVOPDConfig
+
+    return TrlParser((*dataclass_types, MainJobArguments, TVOPDConfig), prog=prog)
+
+
+def _load_dataset(name, config, split):
+    from datasets import load_dataset
+
+    if os.path.isfile(name):
+        return load_dataset("json", data_files=name, split="train")
+    return load_dataset(name, config, split=split)
+
+
+def load_job(job_args, training_args):
+    """The job's student and teacher paths (the teacher's is None when only served), the student's tokenizer and the
+    prompt dataset."""
+    from . import tiny
+    from .prompts import to_prompt_dataset
+
+    served = training_args.teacher_model_server_url is not None
+    student_path = job_args.model_name_or_path or tiny.student_path()
+    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
+    teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
+    remote_code = training_args.trust_remote_code  # False unless the user sets it
+    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left", trust_remote_code=remote_code)
+    if job_args.dataset_name is None:
+        train_dataset = tiny.prompt_dataset("opd")
+    else:
+        train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
+        train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
+    return student_path, teacher_path, tokenizer, train_dataset
+
+
+class Accuracy:
+    """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy."""
+
+    def __init__(self, job_args, tokenizer):
+        self.job_args, self.tokenizer = job_args, tokenizer
+        self.settings = SamplingSettings(
+            k=job_args.eval_k,
+            temperature=job_args.eval_temperature,
+            top_p=job_args.eval_top_p,
+            top_k=job_args.eval_top_k,
+            max_new_tokens=job_args.eval_max_new_tokens,
+        )
+        self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
+        load_problems(job_args.eval_benchmark, **self.options)  # a bad name or file fails before any training
+
+    def __call__(self, model, greedy=False, output_dir=None, model_id=None):
+        """mean@k (or greedy accuracy) of `model`; with `output_dir`, records land there under `model_id`."""
+        # Seeded, under a forked RNG: the training run's random stream is left untouched.
+        settings = (
+            SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
+        )
+        generator = TransformersGenerator(model, self.tokenizer, self.job_args.eval_batch_size)
+        benchmark = get_benchmark(self.job_args.eval_benchmark)
+        results = evaluate(
+            generator, [benchmark], settings or self.settings, output_dir, model=model_id, **self.options
+        )
+        return mean_at_k(results["benchmarks"][benchmark.name])
+
+
+def check_job_arguments(job_args, training_args, state):
+    """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse), the
+    embedded benchmark for a custom model or dataset, and the main process's evaluation of a sharded model."""
+    # A teacher server may serve the embedded teacher, so it can go with the embedded student.
+    student_named = job_args.model_name_or_path is not None
+    teacher_named = training_args.teacher_model_name_or_path is not None
+    if (student_named and not (teacher_named or training_args.teacher_model_server_url)) or (
+        teacher_named and not student_named
+    ):
+        raise ValueError(
+            "Name both `model_name_or_path` and the teacher (`teacher_model_name_or_path` or "
+            "`teacher_model_server_url`), or neither (the embedded tiny pair): a student and a teacher must share one "
+            "tokenizer."
+        )
+    custom = job_args.model_name_or_path is not None or job_args.dataset_name is not None
+    if custom and job_args.eval_problems > 0 and job_args.eval_benchmark == "tiny":
+        raise ValueError(
+            "With your own model or dataset, set `eval_benchmark` (e.g. `math500` with `eval_data_dir`, or a JSONL "
+            "file with id, problem and answer fields): the default, the embedded addition task, says nothing about "
+            "your model. Or pass `--eval_problems 0`."
+        )
+    sharded = state.distributed_type.name == "FSDP" or (
+        state.distributed_type.name == "DEEPSPEED" and training_args.deepspeed_plugin.zero_stage == 3
+    )
+    if sharded and job_args.eval_problems > 0:
+        raise ValueError(
+            "The main job's accuracy evaluation generates on the main process only, which sharded models (ZeRO-3, "
+            "FSDP) cannot do. Pass `--eval_problems 0`."
+        )
+
+
+def check_launch_options(remaining):
+    """Recipe keys and flags the script does not know must be `accelerate launch` options (`tvopd-trl train` passes
+    those on); anything else is a typo, refused before any model loads instead of being silently ignored."""
+    import difflib
+
+    from accelerate.commands.launch import launch_command_parser
+
+    launch = {option for action in launch_command_parser()._actions for option in action.option_strings}
+    unknown = [flag.split("=")[0] for flag in remaining if flag.startswith("--")]
+    unknown = [flag for flag in unknown if flag not in launch and flag != "--accelerate_config"]
+    if unknown:
+        ours = [option for action in job_parser()._actions for option in action.option_strings]
+        hints = [
+            f"{flag} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(flag, ours, n=1)) else flag
+            for flag in unknown
+        ]
+        raise ValueError(
+            f"Unknown option{'s' * (len(unknown) > 1)} {', '.join(hints)}: neither a training option "
+            "(docs/config-reference.md) nor an `accelerate launch` option. Fix the recipe key or the flag."
+        )
