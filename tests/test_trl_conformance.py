@@ -875,7 +875,8 @@ class TestDistillationTrainer:
     @requires_peft
     @requires_bitsandbytes
     @requires_cuda
-    def test_train_peft_and_quantization(self, student, teacher, tmp_path):
+    @pytest.mark.parametrize("use_dora", [False, True])  # TRL's two tests, LoRA and DoRA, in one
+    def test_train_peft_and_quantization(self, student, teacher, tmp_path, use_dora):
         from transformers import BitsAndBytesConfig
 
         dataset = _prompt_dataset("standard_prompt_only")
@@ -900,56 +901,7 @@ class TestDistillationTrainer:
             args=training_args,
             train_dataset=dataset,
             quantization_config=quantization_config,
-            peft_config=LoraConfig(),
-        )
-
-        # Check that the trainer applied the quantization config when loading the model
-        assert trainer.model.base_model.model.is_loaded_in_4bit
-
-        previous_trainable_params = _params(trainer.model)
-
-        trainer.train()
-
-        assert trainer.state.log_history[-1]["train_loss"] is not None
-
-        # Check that the peft params have changed, and that they are cast to bfloat16, as recommended by the QLoRA
-        # paper. The base model params are not checked: bitsandbytes casts the biases of a Linear4bit in-place during
-        # the forward pass, so some of them change in a way that is unrelated to training.
-        for n, param in previous_trainable_params.items():
-            new_param = trainer.model.get_parameter(n)
-            if "lora" in n:  # We expect the peft params to be different
-                assert param.dtype == torch.bfloat16, f"Parameter {n} is not in bfloat16."
-                assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
-
-    @requires_peft
-    @requires_bitsandbytes
-    @requires_cuda
-    def test_train_peft_dora_and_quantization(self, student, teacher, tmp_path):
-        from transformers import BitsAndBytesConfig
-
-        dataset = _prompt_dataset("standard_prompt_only")
-
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
-            max_steps=3,
-            report_to="none",
-        )
-        quantization_config = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        trainer = TVOPDTrainer(
-            model=student,  # path, so that the trainer quantizes it
-            teacher_model=teacher,
-            args=training_args,
-            train_dataset=dataset,
-            quantization_config=quantization_config,
-            peft_config=LoraConfig(use_dora=True),
+            peft_config=LoraConfig(use_dora=use_dora),
         )
 
         # Check that the trainer applied the quantization config when loading the model
