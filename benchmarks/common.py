@@ -190,9 +190,11 @@ class FixedBatchCollator:
         return {key: value.clone() for key, value in self.batch.items()}
 
 
-def build_trainer(kind, shape, data, steps, output_dir):
+def build_trainer(kind, shape, data, steps, output_dir, config_overrides=None):
     """A fresh trainer `kind` (a key of TRAINERS) on fresh seed-0 / seed-1 models, set to run `steps` optimizer
-    steps per `train()` call, in loss-phase mode (see `use_fixed_completions`)."""
+    steps per `train()` call, in loss-phase mode (see `use_fixed_completions`). `config_overrides` (a dict, default
+    none) replaces or adds fields of the trainer's config, e.g. `{"log_update_norm": False}` for the TV-OPD trainers
+    or `{"gradient_accumulation_steps": 4}`."""
     from datasets import Dataset
 
     tokenizer = build_tokenizer(shape.vocab)
@@ -217,6 +219,7 @@ def build_trainer(kind, shape, data, steps, output_dir):
         dataloader_num_workers=0,
         temperature=1.0,
     )
+    shared.update(config_overrides or {})
     generation = dict(max_completion_length=shape.completion, generation_kwargs={"min_new_tokens": shape.completion})
     if kind in ("tv", "raw"):
         from tvopd_trl import TVOPDConfig, TVOPDTrainer
@@ -348,11 +351,12 @@ def settle():
     gc.collect()
 
 
-def measure_trainer_memory(kind, shape, data, steps, output_dir, full_step=True):
+def measure_trainer_memory(kind, shape, data, steps, output_dir, full_step=True, config_overrides=None):
     """Peak RSS (and step times) of `steps` loss-phase steps of a fresh trainer (then, with `full_step`, of `steps`
     full steps), in this process, which must hold nothing else. Activation memory = peak - RSS after setup (both models, the trainer)
-    - gradient and AdamW state of the student (`optimizer_state_bytes`): what the step itself adds."""
-    trainer = build_trainer(kind, shape, data, steps, output_dir)
+    - gradient and AdamW state of the student (`optimizer_state_bytes`): what the step itself adds. `config_overrides`
+    as in `build_trainer`."""
+    trainer = build_trainer(kind, shape, data, steps, output_dir, config_overrides)
     settle()
     result = {"setup_rss_mb": rss_mb(), "state_mb": optimizer_state_bytes(trainer) / 2**20}
     result["peak_reset_supported"] = reset_peak_rss()
@@ -527,3 +531,14 @@ def measure_memories(script, shape, kinds, cache_dir, tag):
         print(f"[{tag}] {shape.name}: memory of {kind}", file=sys.stderr, flush=True)
         memory[kind] = run_worker(script, job("memory", shape, kind=kind, cache_dir=cache_dir))
     return memory
+
+
+def exponent(xs, ys):
+    """Least-squares slope of log(y) on log(x); None with fewer than two positive points."""
+    import numpy as np
+
+    pairs = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None and y > 0]
+    if len(pairs) < 2:
+        return None
+    logs = np.log(np.array(pairs, dtype=float))
+    return float(np.polyfit(logs[:, 0], logs[:, 1], 1)[0])
