@@ -147,6 +147,18 @@ def _params(model):
     return {n: param.clone() for n, param in model.named_parameters()}
 
 
+def _assert_changed(before, model):
+    for n, param in before.items():
+        assert not torch.equal(param, model.get_parameter(n)), f"Parameter {n} has not changed."
+
+
+def _train_args(tmp_path, **kwargs):
+    """TRL's small training setup: a high learning rate (the tiny models' gradients are tiny and the default stalls),
+    3 prompts per device and 8-token completions to keep memory low, no reporting."""
+    defaults = dict(learning_rate=0.1, per_device_train_batch_size=3, max_completion_length=8, report_to="none")
+    return _args(output_dir=str(tmp_path), **{**defaults, **kwargs})
+
+
 def _args(**kwargs):
     """`TVOPDConfig(**kwargs)`, on CPU-only machines with `use_cpu=True` and `bf16=False`: TRL's config defaults to
     bf16, which `TrainingArguments` refuses without a bf16-capable GPU."""
@@ -200,14 +212,10 @@ class TestDistillationTrainer:
     def test_train(self, student, teacher, tmp_path):
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=2,
             logging_steps=1,
-            report_to="none",
         )
         trainer = TVOPDTrainer(model=student, teacher_model=teacher, args=training_args, train_dataset=dataset)
 
@@ -221,9 +229,7 @@ class TestDistillationTrainer:
         assert any("entropy" in entry for entry in trainer.state.log_history)
 
         # Check that the params have changed
-        for n, param in previous_trainable_params.items():
-            new_param = trainer.model.get_parameter(n)
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+        _assert_changed(previous_trainable_params, trainer.model)
 
     @pytest.mark.parametrize("config_name", ["standard_prompt_only", "conversational_prompt_only"])
     def test_train_dataset_format(self, config_name, student, teacher, tmp_path):
@@ -748,9 +754,7 @@ class TestDistillationTrainer:
         assert trainer.state.log_history[-1]["train_loss"] is not None
 
         # Check that the params have changed
-        for n, param in previous_trainable_params.items():
-            new_param = trainer.model.get_parameter(n)
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+        _assert_changed(previous_trainable_params, trainer.model)
 
     @requires_vllm
     @requires_cuda
@@ -762,13 +766,9 @@ class TestDistillationTrainer:
 
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=2,
-            report_to="none",
             logging_strategy="no",
             use_vllm=True,
         )
@@ -842,13 +842,9 @@ class TestDistillationTrainer:
         base_param_names = [f"base_model.model.{n}" for n, _ in model.named_parameters()]
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=3,  # LoRA's B starts at zero: A gets a gradient from the second step on
-            report_to="none",
         )
         trainer = TVOPDTrainer(
             model=model,
@@ -881,13 +877,9 @@ class TestDistillationTrainer:
 
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=3,
-            report_to="none",
         )
         quantization_config = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -934,13 +926,9 @@ class TestDistillationTrainer:
         model = get_peft_model(model, LoraConfig())
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=3,  # LoRA's B starts at zero: A gets a gradient from the second step on
-            report_to="none",
         )
         trainer = TVOPDTrainer(model=model, teacher_model=teacher, args=training_args, train_dataset=dataset)
 
@@ -967,14 +955,10 @@ class TestDistillationTrainer:
         base_param_names = [f"base_model.model.{n}" for n, _ in model.named_parameters()]
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=3,  # LoRA's B starts at zero: A gets a gradient from the second step on
             gradient_checkpointing=True,  # enable gradient checkpointing
-            report_to="none",
         )
         trainer = TVOPDTrainer(
             model=model,
@@ -1002,14 +986,10 @@ class TestDistillationTrainer:
     def test_train_with_fp16(self, student, teacher, tmp_path):
         dataset = _prompt_dataset("standard_prompt_only")
 
-        training_args = _args(
-            output_dir=str(tmp_path),
-            learning_rate=0.1,  # use higher lr because gradients are tiny and default lr can stall updates
-            per_device_train_batch_size=3,  # reduce the batch size to reduce memory usage
-            max_completion_length=8,  # reduce the completion length to reduce memory usage
+        training_args = _train_args(
+            tmp_path,
             max_steps=2,
             fp16=True,
-            report_to="none",
         )
         trainer = TVOPDTrainer(model=student, teacher_model=teacher, args=training_args, train_dataset=dataset)
 
@@ -1020,9 +1000,7 @@ class TestDistillationTrainer:
         assert trainer.state.log_history[-1]["train_loss"] is not None
 
         # Check that the params have changed
-        for n, param in previous_trainable_params.items():
-            new_param = trainer.model.get_parameter(n)
-            assert not torch.equal(param, new_param), f"Parameter {n} has not changed."
+        _assert_changed(previous_trainable_params, trainer.model)
 
     @requires_peft
     def test_peft_non_lm_head_target_allowed(self, student, teacher, tmp_path):

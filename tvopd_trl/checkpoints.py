@@ -25,7 +25,11 @@ import os
 import re
 import warnings
 
+import torch
 
+
+# Per process, in a checkpoint taken inside a rollout batch
+ROLLOUT_STATE_NAME = "rollout_state_{process}.pt"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
 
@@ -71,3 +75,36 @@ def last_complete_checkpoint(output_dir):
             stacklevel=2,
         )
     return None
+
+
+def save_rollout_state(checkpoint, process_index, state):
+    """Writes what a process needs to continue the rollout batch a checkpoint falls inside (`state`, with its
+    `"layout"`: the batch settings it was cut with)."""
+    torch.save(state, os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(process=process_index)))
+
+
+def load_rollout_state(checkpoint, process_index, layout, steps_per_rollout, device):
+    """The rollout state this process saved in `checkpoint`, or None when the checkpoint is at a rollout boundary.
+
+    Raises when the checkpoint falls inside a rollout batch that cannot be continued exactly: its file is missing
+    (saved with other batch settings, or by an older tvopd-trl), or it was cut with another `layout`.
+    """
+    path = os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(process=process_index))
+    if not os.path.isfile(path):
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            global_step = json.load(f)["global_step"]
+        if global_step % steps_per_rollout:
+            raise ValueError(
+                f"{checkpoint} is at step {global_step}, inside a rollout batch of {steps_per_rollout} optimizer "
+                f"steps (steps_per_generation x num_iterations), but has no {os.path.basename(path)} to continue it: "
+                "it was saved with other batch settings or by an older tvopd-trl. Resume from a checkpoint at a "
+                f"multiple of {steps_per_rollout} steps, or with the settings it was saved with."
+            )
+        return None
+    state = torch.load(path, map_location=device, weights_only=True)
+    if state["layout"] != layout:
+        raise ValueError(
+            f"{checkpoint} was saved inside a rollout batch laid out as {state['layout']}, but this run has {layout}. "
+            "Resume with the settings it was saved with, or from a checkpoint at a rollout boundary."
+        )
+    return state

@@ -62,6 +62,14 @@ def card_section(args, log_history, teacher=None, dataset=None):
     return "\n".join(lines) + "\n"
 
 
+def add_section(path, section):
+    """Inserts `section` into the card at `path` (see `insert_section`)."""
+    with open(path, encoding="utf-8") as f:
+        card = f.read()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(insert_section(card, section))
+
+
 def insert_section(card_text, section):
     """`card_text` with `section` before its "### Framework versions" heading (at the end if there is none)."""
     marker = "### Framework versions"

@@ -12,7 +12,6 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-import json
 import math
 import os
 import shutil
@@ -36,7 +35,7 @@ from trl.trainer.utils import (
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
-from .checkpoints import last_complete_checkpoint, missing_parts
+from .checkpoints import last_complete_checkpoint, load_rollout_state, missing_parts, save_rollout_state
 from .checks import (
     LOGIT_POSTPROCESSING_ATTRIBUTES,
     check_inputs,
@@ -49,16 +48,13 @@ from .chunked_logprob import sampled_token_logprobs
 from .config import TVOPDConfig
 from .divergences import exact_reverse_kl_and_tv
 from .metrics import StepStatistics
-from .model_card import card_section, insert_section
+from .model_card import add_section, card_section
 from .served_teacher import served_teacher_logps
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
 
 logger = logging.get_logger(__name__)
-
-# Per process, in a checkpoint taken inside a rollout batch (see `TVOPDTrainer._save_rng_state`)
-ROLLOUT_STATE_NAME = "rollout_state_{process}.pt"
 
 
 class _OptimizerStepHooks(TrainerCallback):
@@ -264,48 +260,34 @@ class TVOPDTrainer(DistillationTrainer):
             "num_processes": self.accelerator.num_processes,
         }
 
-    def _rollout_state_path(self, checkpoint):
-        return os.path.join(checkpoint, ROLLOUT_STATE_NAME.format(process=self.accelerator.process_index))
-
     def _save_rng_state(self, output_dir):
         # Each process saves its RNG state here, before transformers writes `trainer_state.json`: a checkpoint whose
-        # trainer state exists has its rollout states too.
+        # trainer state exists has its rollout states too. At a rollout boundary the next step generates anew.
         super()._save_rng_state(output_dir)
-        if self._step % self._micro_steps_per_rollout == 0:
-            return  # at a rollout boundary the next step generates anew
-        state = {
-            "layout": self._rollout_layout(),
-            "step": self._step,
-            "buffered_inputs": self._buffered_inputs,
-            "scale": self.rollout_scale,
-            "tv": self._rollout_tv,
-            "exact_tv": self._rollout_exact_tv,
-            "grad_norm_finite": self._rollout_grad_norm_finite,
-        }
-        torch.save(state, self._rollout_state_path(output_dir))
+        if self._step % self._micro_steps_per_rollout:
+            state = {
+                "layout": self._rollout_layout(),
+                "step": self._step,
+                "buffered_inputs": self._buffered_inputs,
+                "scale": self.rollout_scale,
+                "tv": self._rollout_tv,
+                "exact_tv": self._rollout_exact_tv,
+                "grad_norm_finite": self._rollout_grad_norm_finite,
+            }
+            save_rollout_state(output_dir, self.accelerator.process_index, state)
 
     def _load_rollout_state(self, checkpoint):
-        path = self._rollout_state_path(checkpoint)
-        if not os.path.isfile(path):
-            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-                global_step = json.load(f)["global_step"]
-            steps_per_rollout = self.args.steps_per_generation * self.args.num_iterations
-            if global_step % steps_per_rollout:
-                raise ValueError(
-                    f"{checkpoint} is at step {global_step}, inside a rollout batch of {steps_per_rollout} optimizer "
-                    f"steps (steps_per_generation x num_iterations), but has no {os.path.basename(path)} to continue "
-                    "it: it was saved with other batch settings or by an older tvopd-trl. Resume from a checkpoint at "
-                    f"a multiple of {steps_per_rollout} steps, or with the settings it was saved with."
-                )
+        steps_per_rollout = self.args.steps_per_generation * self.args.num_iterations
+        state = load_rollout_state(
+            checkpoint,
+            self.accelerator.process_index,
+            self._rollout_layout(),
+            steps_per_rollout,
+            self.accelerator.device,
+        )
+        if state is None:
             self._step, self._buffered_inputs = 0, None
             return
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
-        if state["layout"] != self._rollout_layout():
-            raise ValueError(
-                f"{checkpoint} was saved inside a rollout batch laid out as {state['layout']}, but this run has "
-                f"{self._rollout_layout()}. Resume with the settings it was saved with, or from a checkpoint at a "
-                "rollout boundary."
-            )
         self._step = state["step"]
         self._buffered_inputs = state["buffered_inputs"]
         self.rollout_scale = state["scale"]
@@ -324,12 +306,8 @@ class TVOPDTrainer(DistillationTrainer):
             teacher = self.args.teacher_model_server_url
         else:
             teacher = self.accelerator.unwrap_model(self.teacher_model).config._name_or_path
-        path = os.path.join(self.args.output_dir, "README.md")
-        with open(path, encoding="utf-8") as f:
-            card = f.read()
         section = card_section(self.args, self.state.log_history, teacher=teacher, dataset=dataset_name)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(insert_section(card, section))
+        add_section(os.path.join(self.args.output_dir, "README.md"), section)
 
     def _save_checkpoint(self, model, trial):
         # TRL writes the run's card before each checkpoint; a copy inside the checkpoint describes the run up to that
