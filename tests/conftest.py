@@ -1,10 +1,10 @@
+import functools
 import os
 
 import pytest
 import torch
 
-from tvopd_trl import TVOPDTrainer
-from tvopd_trl.testing import build_model, build_tokenizer
+from tvopd_trl.testing import build_model, build_tokenizer, tiny_pair_trainer
 from tvopd_trl.tiny import prompt_dataset
 
 
@@ -37,15 +37,12 @@ def prompts():
 
 @pytest.fixture
 def make_trainer(model_dirs, prompts, tokenizer):
-    """Builds a trainer on the tiny on-disk pair and the arithmetic prompts; keyword arguments override those."""
-
-    def make(args, trainer_class=TVOPDTrainer, **kwargs):
-        defaults = {
-            "model": model_dirs["student"],
-            "teacher_model": model_dirs["teacher"],
-            "train_dataset": prompts,
-            "processing_class": tokenizer,
-        }
-        return trainer_class(args=args, **{**defaults, **kwargs})
-
-    return make
+    """`tiny_pair_trainer` on the untrained on-disk pair instead of the shipped one: `make_trainer(args,
+    trainer_class=None, **kwargs)`, whose keyword arguments override those."""
+    return functools.partial(
+        tiny_pair_trainer,
+        model=model_dirs["student"],
+        teacher_model=model_dirs["teacher"],
+        train_dataset=prompts,
+        processing_class=tokenizer,
+    )

@@ -488,11 +488,70 @@ def test_registry_entry_is_complete(mode):
     keywords = {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY}
     assert keywords == set(spec.inputs) | set(spec.hyperparameters), "declare every keyword, and only those"
     assert set(spec.inputs) <= TRAINER_INPUTS, "the trainer supplies only these"
-    assert set(spec.hyperparameters) <= set(inspect.signature(compute_advantages).parameters)
+    assert set(spec.ranges) <= set(spec.hyperparameters), "a range belongs to a declared hyperparameter"
     fields = {f.name for f in dataclasses.fields(TVOPDConfig)}
-    for name in spec.hyperparameters.values():
-        assert name in fields and f"        {name} (" in TVOPDConfig.__doc__, f"{name}: a documented config field"
+    for keyword, name in spec.hyperparameters.items():
+        if name is None:
+            assert keyword not in spec.required, f"{keyword}: set through advantage_kwargs, so it needs a default"
+        else:
+            assert name in fields and f"        {name} (" in TVOPDConfig.__doc__, f"{name}: a documented config field"
     assert spec.paper
-    # A config of the mode builds with its defaults, and the trainer's keywords for it are exactly the declared ones
+    # A config of the mode builds with its defaults, and the trainer's keywords for it are the declared fields
     args = TVOPDConfig(output_dir="unused", advantage_mode=mode, use_cpu=True, bf16=False, report_to="none")
-    assert set(spec.config_kwargs(args)) == set(spec.hyperparameters)
+    assert set(spec.config_kwargs(args)) == {keyword for keyword, name in spec.hyperparameters.items() if name}
+
+
+def damped_sign_advantage(delta, active, *, damping=0.5):
+    return damping * torch.where(active, torch.sign(delta), 0.0)
+
+
+@pytest.fixture
+def damped_sign_mode(monkeypatch):
+    """A mode added the way CONTRIBUTING says: one registry entry, with a hyperparameter that has no config field."""
+    from tvopd_trl.advantages import AdvantageMode
+
+    spec = AdvantageMode(
+        damped_sign_advantage,
+        "Damped Sign",
+        {"damping": None},
+        ranges={"damping": (lambda d: 0 < d <= 1, "in (0, 1]")},
+    )
+    monkeypatch.setitem(ADVANTAGE_MODE_REGISTRY, "damped_sign", spec)
+    return spec
+
+
+def test_a_new_mode_is_one_registry_entry(damped_sign_mode, make_trainer, tmp_path):
+    from tvopd_trl.model_card import card_section
+    from tvopd_trl.testing import tiny_config
+
+    teacher, old = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-2.0, -1.0, -0.5]])
+    kwargs = dict(teacher_logps=teacher, old_logps=old, mask=torch.ones(1, 3))
+    assert compute_advantages("damped_sign", **kwargs).tolist() == [[0.5, -0.5, 0.0]]  # the function's default
+    assert compute_advantages("damped_sign", damping=0.25, **kwargs).tolist() == [[0.25, -0.25, 0.0]]
+
+    # The config validates the new hyperparameter from the entry alone: its key, its range, the JSON a flag gives
+    args = tiny_config(tmp_path, advantage_mode="damped_sign", advantage_kwargs='{"damping": 0.25}', max_steps=2)
+    assert args.advantage_kwargs == {"damping": 0.25}
+    assert damped_sign_mode.config_kwargs(args) == {"damping": 0.25}
+    with pytest.raises(ValueError, match=r"advantage_kwargs\['damping'\] in \(0, 1\], got 2"):
+        tiny_config(tmp_path, advantage_mode="damped_sign", advantage_kwargs={"damping": 2})
+    with pytest.raises(ValueError, match=r"\['dampnig'\], which advantage_mode='damped_sign' does not take"):
+        tiny_config(tmp_path, advantage_mode="damped_sign", advantage_kwargs={"dampnig": 0.25})
+    with pytest.raises(ValueError, match="power_gamma"):
+        tiny_config(tmp_path, advantage_mode="power", advantage_kwargs={"gamma": 0.25})
+    assert "`advantage_kwargs['damping']=0.25`" in card_section(args, [])
+
+    # The trainer trains on its coefficients: one plain-SGD step moves every weight by 0.25 times Sign's step on the
+    # same rollout
+    def one_step(mode, **overrides):
+        step_args = tiny_config(
+            tmp_path / mode, advantage_mode=mode, max_steps=1, optim="sgd", max_grad_norm=0, **overrides
+        )
+        trainer = make_trainer(step_args)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        return torch.cat([(p.detach() - b).flatten() for b, p in zip(before, trainer.model.parameters(), strict=True)])
+
+    damped, sign = one_step("damped_sign", advantage_kwargs={"damping": 0.25}), one_step("sign")
+    assert sign.abs().max() > 0
+    torch.testing.assert_close(damped, 0.25 * sign, rtol=1e-4, atol=1e-7)

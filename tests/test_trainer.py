@@ -731,7 +731,7 @@ def test_compute_loss_accepts_a_generated_batch_alone_as_trl_calls_it(make_train
     metrics = trainer._metrics["train"]
     entropy = -(log_q.exp() * log_q).sum(-1)
     assert metrics["entropy"][-1] == pytest.approx(entropy[mask].mean().item(), rel=1e-5)
-    assert trainer._step_statistics.sums is None and trainer._rollout_tv is None
+    assert trainer._step_statistics.sums is None and not trainer._rollout_tv.any()
 
 
 def test_entropy_is_logged_over_active_completion_tokens(make_trainer, tmp_path):

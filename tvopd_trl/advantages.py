@@ -136,18 +136,24 @@ class AdvantageMode:
             default are required.
         paper (`str`):
             The method's name in the TV-OPD paper.
-        hyperparameters (`dict[str, str]`, *optional*):
-            The function's keyword -> the [`TVOPDConfig`] field that sets it in a trainer run.
+        hyperparameters (`dict[str, str | None]`, *optional*):
+            The function's keyword -> the [`TVOPDConfig`] field that sets it in a trainer run, or `None` for a
+            hyperparameter without a field of its own: it is then set by `TVOPDConfig.advantage_kwargs` and defaults to
+            the function's default.
         inputs (`tuple[str, ...]`, *optional*):
             What the trainer supplies beyond delta: `"teacher_logps"`, `"old_logps"`, `"reverse_kl"` (the exact per-state
             reverse KL over the vocabulary, which makes the trainer score both full distributions), `"scale"` (c_k) and
             `"generator"` (a seeded CPU generator, the same on every pass over a rollout).
+        ranges (`dict[str, tuple[Callable[[float], bool], str]]`, *optional*):
+            A hyperparameter's keyword -> `(is_valid, rule)`: the config refuses a value for which `is_valid` is False,
+            quoting `rule` (for example `"> 0"`).
     """
 
     function: Callable[..., torch.Tensor]
     paper: str
-    hyperparameters: dict[str, str] = field(default_factory=dict)
+    hyperparameters: dict[str, str | None] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()
+    ranges: dict[str, tuple[Callable[[float], bool], str]] = field(default_factory=dict)
 
     @property
     def needs_exact_divergence(self) -> bool:
@@ -159,9 +165,37 @@ class AdvantageMode:
         parameters = inspect.signature(self.function).parameters.values()
         return tuple(p.name for p in parameters if p.kind is p.KEYWORD_ONLY and p.default is p.empty)
 
+    def label(self, keyword: str) -> str:
+        """Where a run sets the hyperparameter `keyword`: its config field, or its key in `advantage_kwargs`."""
+        name = self.hyperparameters[keyword]
+        return f"advantage_kwargs[{keyword!r}]" if name is None else name
+
     def config_kwargs(self, args) -> dict:
-        """The function's hyperparameters, read from a config (a `TVOPDConfig`)."""
-        return {keyword: getattr(args, name) for keyword, name in self.hyperparameters.items()}
+        """The function's hyperparameters in a run configured by `args` (a `TVOPDConfig`): each from its config field,
+        or from `args.advantage_kwargs` (left out where it is not set there, so that the function's default holds)."""
+        extra = getattr(args, "advantage_kwargs", None) or {}
+        kwargs = {}
+        for keyword, name in self.hyperparameters.items():
+            if name is not None:
+                kwargs[keyword] = getattr(args, name)
+            elif keyword in extra:
+                kwargs[keyword] = extra[keyword]
+        return kwargs
+
+    def check(self, mode: str, kwargs: dict) -> None:
+        """Raises a `ValueError` naming the setting to change when `kwargs` (see `config_kwargs`) misses a required
+        hyperparameter or holds one out of its range."""
+        missing = [
+            self.label(keyword)
+            for keyword in self.required
+            if keyword in self.hyperparameters and kwargs.get(keyword) is None
+        ]
+        if missing:
+            raise ValueError(f"advantage_mode={mode!r} needs {' and '.join(missing)}, but it is None. Set it.")
+        for keyword, (is_valid, rule) in self.ranges.items():
+            value = kwargs.get(keyword)
+            if value is not None and not is_valid(value):
+                raise ValueError(f"advantage_mode={mode!r} needs {self.label(keyword)} {rule}, got {value}.")
 
 
 # Every mode that uses abs(delta) replaces a delta of -inf by `advantage_clip_low` when it is set.
@@ -172,12 +206,21 @@ ADVANTAGE_MODE_REGISTRY: dict[str, AdvantageMode] = {
     "clip": AdvantageMode(
         clip_advantage, "ClipOPD", {"clip_low": "advantage_clip_low", "clip_high": "advantage_clip_high"}
     ),
-    "power": AdvantageMode(power_advantage, "PowerOPD", {"gamma": "power_gamma"}, ("teacher_logps", "old_logps")),
+    "power": AdvantageMode(
+        power_advantage,
+        "PowerOPD",
+        {"gamma": "power_gamma"},
+        ("teacher_logps", "old_logps"),
+        ranges={"gamma": (lambda gamma: gamma > 0, "> 0")},
+    ),
     "vopd": AdvantageMode(vopd_advantage, "vOPD", _FLOOR, ("reverse_kl",)),
     "sign": AdvantageMode(sign_advantage, "Sign / Sign-TV"),
     "tv": AdvantageMode(tv_advantage, "TV-OPD", inputs=("scale",)),
     "relative_power": AdvantageMode(
-        relative_power_advantage, "Power(beta) ablation", {"beta": "relative_power_beta", **_FLOOR}
+        relative_power_advantage,
+        "Power(beta) ablation",
+        {"beta": "relative_power_beta", **_FLOOR},
+        ranges={"beta": (lambda beta: 0 <= beta <= 1, "in [0, 1]")},
     ),
     "sequence_constant": AdvantageMode(sequence_constant_advantage, "Sequence-Constant", _FLOOR),
     "shuffle": AdvantageMode(shuffle_advantage, "Shuffle", _FLOOR, ("generator",)),
@@ -194,11 +237,8 @@ def compute_advantages(
     mask: torch.Tensor,
     scale: float = 1.0,
     reverse_kl: torch.Tensor | None = None,
-    clip_low: float | None = None,
-    clip_high: float | None = None,
-    gamma: float | None = None,
-    beta: float | None = None,
     generator: torch.Generator | None = None,
+    **hyperparameters,
 ) -> torch.Tensor:
     """
     Detached per-token advantage coefficients A_t for one of the [`ADVANTAGE_MODES`] (docs/method.md, section 2).
@@ -217,39 +257,40 @@ def compute_advantages(
             The TV-OPD coefficient c_k, used by `"tv"` only.
         reverse_kl (`torch.Tensor`, *optional*):
             `(B, T)` exact per-state reverse KL(pi_old || pi_T), required by `"vopd"`.
-        clip_low (`float`, *optional*):
-            Lower ClipOPD bound, required by `"clip"`. In every mode that uses |delta|, a delta of -inf is replaced
-            by this value if set, else by log of the smallest normal float32.
-        clip_high (`float`, *optional*):
-            Upper ClipOPD bound, required by `"clip"`.
-        gamma (`float`, *optional*):
-            PowerOPD exponent (> 0), required by `"power"`.
-        beta (`float`, *optional*):
-            Power(beta) exponent in [0, 1], required by `"relative_power"`.
         generator (`torch.Generator`, *optional*):
             CPU generator for the within-sequence permutation of `"shuffle"`.
+        **hyperparameters:
+            The modes' hyperparameters by keyword (each entry of [`ADVANTAGE_MODE_REGISTRY`] lists its own); those of
+            other modes are ignored:
+            - `clip_low` (`float`): lower ClipOPD bound, required by `"clip"`. In every mode that uses |delta|, a delta
+              of -inf is replaced by this value if set, else by log of the smallest normal float32.
+            - `clip_high` (`float`): upper ClipOPD bound, required by `"clip"`.
+            - `gamma` (`float`): PowerOPD exponent (> 0), required by `"power"`.
+            - `beta` (`float`): Power(beta) exponent in [0, 1], required by `"relative_power"`.
 
     Returns:
         `torch.Tensor`: `(B, T)` float32 coefficients, detached, zero on inactive and non-finite tokens.
     """
     if mode not in ADVANTAGE_MODE_REGISTRY:
-        raise ValueError(f"Unknown advantage_mode {mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}.")
+        raise ValueError(f"Unknown advantage_mode {mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODE_REGISTRY)}.")
+    known = {keyword for spec in ADVANTAGE_MODE_REGISTRY.values() for keyword in spec.hyperparameters}
+    unknown = sorted(set(hyperparameters) - known)
+    if unknown:
+        raise TypeError(f"compute_advantages() got unknown hyperparameters {unknown}; the modes' are {sorted(known)}.")
     spec = ADVANTAGE_MODE_REGISTRY[mode]
     teacher_logps, old_logps = teacher_logps.detach(), old_logps.detach()
-    available = {
+    inputs = {
         "teacher_logps": teacher_logps,
         "old_logps": old_logps,
         "reverse_kl": None if reverse_kl is None else reverse_kl.detach(),
         "scale": scale,
         "generator": generator,
-        "clip_low": clip_low,
-        "clip_high": clip_high,
-        "gamma": gamma,
-        "beta": beta,
     }
-    keywords = {name: available[name] for name in (*spec.inputs, *spec.hyperparameters)}
+    # An unset hyperparameter is left out, so that the function's default holds
+    keywords = {name: inputs[name] for name in spec.inputs}
+    keywords.update({k: v for k, v in hyperparameters.items() if k in spec.hyperparameters and v is not None})
     for name in spec.required:
-        if keywords[name] is None:
+        if keywords.get(name) is None:
             raise ValueError(f"advantage_mode={mode!r} requires `{name}`, but it is None.")
     delta, active = token_delta(teacher_logps, old_logps, mask)
     return spec.function(delta, active, **keywords)

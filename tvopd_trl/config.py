@@ -15,6 +15,7 @@
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import DistillationConfig
 
@@ -56,6 +57,10 @@ class TVOPDConfig(DistillationConfig):
         relative_power_beta (`float`, *optional*, defaults to `0.4`):
             Exponent of the Power(beta) relative-magnitude ablation, in [0, 1]: 1 recovers Raw OPD and 0 recovers
             Sequence-Constant. 0.4 is the stronger of the two settings the paper reports (Power-0.4 and Power-0.8).
+        advantage_kwargs (`dict[str, Any]` or `str`, *optional*):
+            Hyperparameters of the advantage mode that have no field of their own (see
+            [`~tvopd_trl.advantages.AdvantageMode`]), by keyword, as a dict or a JSON string; unset ones keep the
+            mode's defaults. A key the mode does not take is an error. None of the paper's modes needs it.
 
         > Parameters that control the TV-EMA scheduler (`advantage_mode="tv"`)
 
@@ -131,6 +136,8 @@ class TVOPDConfig(DistillationConfig):
     >   the TV scheduler.
     """
 
+    _VALID_DICT_FIELDS = DistillationConfig._VALID_DICT_FIELDS + ["advantage_kwargs"]
+
     # Parameters whose default values are overridden from DistillationConfig / TrainingArguments
     disable_dropout: bool = field(
         default=True,
@@ -161,6 +168,10 @@ class TVOPDConfig(DistillationConfig):
     relative_power_beta: float | None = field(
         default=0.4,
         metadata={"help": "Power(beta) relative-magnitude ablation exponent, in [0, 1]."},
+    )
+    advantage_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Hyperparameters of the advantage mode without a field of their own, as a JSON object."},
     )
 
     # Parameters that control the TV-EMA scheduler
@@ -239,9 +250,9 @@ class TVOPDConfig(DistillationConfig):
                 "joins them: each would train its own unsynchronised copy. Without a GPU, set `use_cpu=True` (DDP) "
                 "or `ddp_backend='gloo'` (DeepSpeed)."
             )
-        if self.advantage_mode not in ADVANTAGE_MODES:
+        if self.advantage_mode not in ADVANTAGE_MODE_REGISTRY:
             raise ValueError(
-                f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODES)}."
+                f"Unknown advantage_mode {self.advantage_mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODE_REGISTRY)}."
             )
         mode = self.advantage_mode
         spec = ADVANTAGE_MODE_REGISTRY[mode]
@@ -283,16 +294,17 @@ class TVOPDConfig(DistillationConfig):
 
         if mode == "clip" and self.advantage_clip_low is None and self.advantage_clip_high is None:
             self.advantage_clip_low, self.advantage_clip_high = DEFAULT_CLIP_BOUNDS
-        missing = [
-            name
-            for keyword, name in spec.hyperparameters.items()
-            if keyword in spec.required and getattr(self, name) is None
-        ]
-        if missing:
+        if self.advantage_kwargs is not None and not isinstance(self.advantage_kwargs, dict):
+            raise ValueError(f"advantage_kwargs must be a dict or a JSON object, got {self.advantage_kwargs!r}.")
+        own = [keyword for keyword, name in spec.hyperparameters.items() if name is None]
+        unknown = sorted(set(self.advantage_kwargs or {}) - set(own))
+        if unknown:
             raise ValueError(
-                f"advantage_mode={mode!r} needs {' and '.join(missing)}, but it is None. Set it"
-                + (f" (or neither bound, for the default {DEFAULT_CLIP_BOUNDS})." if mode == "clip" else ".")
+                f"advantage_kwargs sets {unknown}, which advantage_mode={mode!r} does not take there (it takes "
+                f"{own or 'nothing'}). A hyperparameter with a config field of its own, such as power_gamma, is set "
+                "through that field."
             )
+        spec.check(mode, spec.config_kwargs(self))
         if self.advantage_clip_low is not None and not self.advantage_clip_low < 0:
             raise ValueError(
                 f"advantage_clip_low must be < 0, got {self.advantage_clip_low}: a positive bound would turn the "
@@ -300,13 +312,6 @@ class TVOPDConfig(DistillationConfig):
             )
         if self.advantage_clip_high is not None and not self.advantage_clip_high > 0:
             raise ValueError(f"advantage_clip_high must be > 0, got {self.advantage_clip_high}.")
-        used = set(spec.hyperparameters.values())
-        if "power_gamma" in used and not self.power_gamma > 0:
-            raise ValueError(f"advantage_mode={mode!r} needs power_gamma > 0, got {self.power_gamma}.")
-        if "relative_power_beta" in used and not 0 <= self.relative_power_beta <= 1:
-            raise ValueError(
-                f"advantage_mode={mode!r} needs relative_power_beta in [0, 1], got {self.relative_power_beta}."
-            )
         if not self.disable_dropout:
             warnings.warn(
                 "disable_dropout=False: with dropout on, the student's log-probabilities are random draws, so pi_old, "

@@ -45,10 +45,13 @@ def card_section(args, log_history, teacher=None, dataset=None):
         lines.append(f"- Teacher: `{teacher}`")
     if dataset:
         lines.append(f"- Prompts: `{dataset}`")
-    # The mode's own hyperparameters, those it needs or that are set (an optional -inf floor left unset is not listed)
-    own = [name for keyword, name in spec.hyperparameters.items() if keyword in spec.required or getattr(args, name)]
-    names = (_SCHEDULER_HYPERPARAMETERS if "scale" in spec.inputs else ()) + tuple(own) + _SHARED_HYPERPARAMETERS
-    lines.append("- Hyperparameters: " + ", ".join(f"`{name}={getattr(args, name)}`" for name in names))
+    values = {name: getattr(args, name) for name in (_SCHEDULER_HYPERPARAMETERS if "scale" in spec.inputs else ())}
+    # The mode's own hyperparameters that are set (an optional -inf floor left unset is not listed)
+    values.update(
+        {spec.label(keyword): value for keyword, value in spec.config_kwargs(args).items() if value is not None}
+    )
+    values.update({name: getattr(args, name) for name in _SHARED_HYPERPARAMETERS})
+    lines.append("- Hyperparameters: " + ", ".join(f"`{name}={value}`" for name, value in values.items()))
     last = {}
     for entry in log_history:
         for key, value in entry.items():

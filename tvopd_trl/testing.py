@@ -48,17 +48,17 @@ def tiny_config(output_dir, **overrides):
 
 def tiny_pair_trainer(args, prompts=64, trainer_class=None, **kwargs):
     """A trainer (`TVOPDTrainer` or `trainer_class`) on the shipped tiny pair and the first `prompts` prompts of its
-    OPD split; `kwargs` go to the trainer."""
+    OPD split; `kwargs` go to the trainer, and a `model`, `teacher_model`, `train_dataset` or `processing_class` among
+    them replaces the shipped one."""
     from transformers import AutoTokenizer
 
     from .tiny import prompt_dataset, student_path, teacher_path
     from .trainer import TVOPDTrainer
 
-    return (trainer_class or TVOPDTrainer)(
-        model=student_path(),
-        teacher_model=teacher_path(),
-        args=args,
-        train_dataset=prompt_dataset("opd", prompts),
-        processing_class=AutoTokenizer.from_pretrained(student_path(), padding_side="left"),
-        **kwargs,
-    )
+    kwargs.setdefault("model", student_path())
+    kwargs.setdefault("teacher_model", teacher_path())
+    if "train_dataset" not in kwargs:
+        kwargs["train_dataset"] = prompt_dataset("opd", prompts)
+    if "processing_class" not in kwargs:
+        kwargs["processing_class"] = AutoTokenizer.from_pretrained(student_path(), padding_side="left")
+    return (trainer_class or TVOPDTrainer)(args=args, **kwargs)

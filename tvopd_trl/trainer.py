@@ -26,7 +26,6 @@ from trl.models import prepare_fsdp
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
-    maybe_gather_lm_head_ctx,
     pad,
     repeat_iterable_dataset,
     shuffle_sequence_dict,
@@ -36,20 +35,11 @@ from trl.trainer.utils import (
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import last_complete_checkpoint, load_rollout_state, missing_parts, save_rollout_state
-from .checks import (
-    LOGIT_POSTPROCESSING_ATTRIBUTES,
-    check_inputs,
-    check_loaded_trainer,
-    check_paths,
-    connect_server,
-    load_tokenizer,
-)
-from .chunked_logprob import sampled_token_logprobs
+from .checks import check_inputs, check_loaded_trainer, check_paths, connect_server, load_tokenizer
 from .config import TVOPDConfig
-from .divergences import exact_reverse_kl_and_tv
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
-from .served_teacher import served_teacher_logps
+from .scoring import CompletionScoringMixin
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -68,7 +58,7 @@ class _OptimizerStepHooks(TrainerCallback):
         self.trainer._finish_optimizer_step()
 
 
-class TVOPDTrainer(DistillationTrainer):
+class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
     """
     Trainer for TV-Regulated On-Policy Distillation (TV-OPD) and the sampled-token OPD baselines it is compared with.
 
@@ -218,8 +208,7 @@ class TVOPDTrainer(DistillationTrainer):
         # The c_k of the rollout batch being trained on, read once at its first step (`LearningRateScaleCallback` reads
         # it too)
         self.rollout_scale = 1.0
-        self._rollout_tv = None
-        self._rollout_exact_tv = None
+        self._rollout_tv = torch.zeros(3, device=self.accelerator.device)  # (U, N, sum of the exact TV)
         self._rollout_grad_norm_finite = True
         self._step_statistics = StepStatistics()
         self._step_grad_norm = None
@@ -271,7 +260,6 @@ class TVOPDTrainer(DistillationTrainer):
                 "buffered_inputs": self._buffered_inputs,
                 "scale": self.rollout_scale,
                 "tv": self._rollout_tv,
-                "exact_tv": self._rollout_exact_tv,
                 "grad_norm_finite": self._rollout_grad_norm_finite,
             }
             save_rollout_state(output_dir, self.accelerator.process_index, state)
@@ -292,7 +280,6 @@ class TVOPDTrainer(DistillationTrainer):
         self._buffered_inputs = state["buffered_inputs"]
         self.rollout_scale = state["scale"]
         self._rollout_tv = state["tv"]
-        self._rollout_exact_tv = state["exact_tv"]
         self._rollout_grad_norm_finite = state["grad_norm_finite"]
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -457,149 +444,9 @@ class TVOPDTrainer(DistillationTrainer):
         own (`BenchmarkEvalCallback` records its scores this way)."""
         self._metrics[mode][name].append(float(value))
 
-    def score_completions(self, batch, old_logps=False, exact_divergences=False):
-        """
-        Adds the per-token signals of a generated batch and returns it.
-
-        Args:
-            batch (`dict[str, torch.Tensor]`):
-                `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask` (and `tool_mask` with tools), as TRL's
-                generation returns them.
-            old_logps (`bool`, *optional*, defaults to `False`):
-                Whether to add `old_logps`, the current student's float32 log-probabilities of the completion tokens.
-            exact_divergences (`bool`, *optional*, defaults to `False`):
-                Whether to add the exact per-state `reverse_kl` and `exact_tv` over the vocabulary (a local teacher
-                only).
-
-        Returns:
-            `dict[str, torch.Tensor]`: `batch` with `loss_mask` and `teacher_logps` (NaN where a served teacher gave no
-            value), and the signals asked for, all `(B, T)` and 0 at padding.
-        """
-        prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        logits_to_keep = batch["completion_ids"].size(1)
-        batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
-        with torch.no_grad():
-            if self._teacher_client is not None:
-                batch["teacher_logps"] = served_teacher_logps(self._teacher_client, batch, self.temperature).to(
-                    self.accelerator.device
-                )
-            else:
-                self.teacher_model.eval()  # whatever another callback or user did to it since construction
-                batch["teacher_logps"] = self._sampled_token_logps(
-                    self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
-                )
-            if old_logps:
-                batch["old_logps"] = self._sampled_token_logps(
-                    self.model, prompt_completion_ids, attention_mask, logits_to_keep
-                )
-            if exact_divergences:
-                batch["reverse_kl"], batch["exact_tv"] = self._exact_divergences(
-                    prompt_completion_ids, attention_mask, logits_to_keep
-                )
-        return batch
-
     @property
     def _needs_exact_divergences(self):
         return ADVANTAGE_MODE_REGISTRY[self.args.advantage_mode].needs_exact_divergence or self.args.log_exact_tv
-
-    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
-        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
-        `with_entropy`, also the detached entropy of each position's distribution, from the same pass."""
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-logits_to_keep] = -100
-        with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
-        logps, entropies = [], []
-        for rows in self._row_chunks(input_ids.size(0)):
-            padding = labels[rows, -logits_to_keep:] == -100
-            if with_trl_kernels:
-                with self.accelerator.autocast():
-                    outputs = model(
-                        input_ids=input_ids[rows],
-                        attention_mask=attention_mask[rows],
-                        labels=labels[rows],
-                        fused_lm_head=True,
-                    )
-                logps.append(outputs.log_probs[:, -logits_to_keep:].float())
-                entropy = outputs.entropy[:, -logits_to_keep:].float() if with_entropy else None
-            else:
-                unwrapped = self.accelerator.unwrap_model(model)
-                # Through the wrapper's forward, so that DDP prepares its gradient reduction for this backward
-                completion_logps, entropy = self._forward_redirection(
-                    model,
-                    unwrapped,
-                    self._completion_logps,
-                    unwrapped,
-                    input_ids[rows],
-                    attention_mask[rows],
-                    logits_to_keep,
-                    with_entropy,
-                )
-                logps.append(completion_logps.masked_fill(padding, 0.0))
-            if with_entropy:
-                entropies.append(entropy.detach().masked_fill(padding, 0.0))
-        return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
-
-    def _row_chunks(self, rows):
-        # Rows of a rollout are scored `per_device_train_batch_size` at a time: the activations of one micro-batch
-        chunk = self.args.per_device_train_batch_size
-        return [slice(start, start + chunk) for start in range(0, rows, chunk)]
-
-    def _scores_with_trl_kernels(self, model, device):
-        # TRL's fused head is the right kernel where it runs Triton, and the only one that knows every model's logit
-        # post-processing, FSDP's DTensors and ZeRO-3. Elsewhere (CPU) `chunked_logprob` projects only the completion
-        # positions through one reused tile: half the time and an eighth of the memory (docs/performance.md).
-        config = self.accelerator.unwrap_model(model).config.get_text_config()
-        return (
-            device.type != "cpu"
-            or self.is_fsdp_enabled
-            or self.is_deepspeed_enabled
-            or any(getattr(config, name, None) is not None for name in LOGIT_POSTPROCESSING_ATTRIBUTES)
-        )
-
-    def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, with_entropy):
-        with self.accelerator.autocast():
-            hidden = self._get_last_hidden_state(unwrapped, input_ids, attention_mask, logits_to_keep)
-        head = unwrapped.get_output_embeddings()
-        with torch.autocast(hidden.device.type, enabled=False):
-            scores = sampled_token_logprobs(
-                hidden,
-                head.weight,
-                head.bias,
-                input_ids[:, -logits_to_keep:],
-                temperature=self.temperature,
-                return_entropy=with_entropy,
-            )
-        return scores if with_entropy else (scores, None)
-
-    def _exact_divergences(self, input_ids, attention_mask, logits_to_keep):
-        reverse_kl, tv = [], []
-        for rows in self._row_chunks(input_ids.size(0)):  # the peak stays one micro-batch's, whatever the rollout size
-            hidden_states, heads = [], []
-            for wrapped in (self.model_wrapped, self.teacher_model):
-                unwrapped = self.accelerator.unwrap_model(wrapped)
-                # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the
-                # backbone.
-                with self.accelerator.autocast():
-                    hidden = self._forward_redirection(
-                        wrapped,
-                        unwrapped,
-                        self._get_last_hidden_state,
-                        unwrapped,
-                        input_ids[rows],
-                        attention_mask[rows],
-                        logits_to_keep,
-                    )
-                hidden_states.append(hidden)
-                heads.append(unwrapped.get_output_embeddings())
-            params = [p for head in heads for p in (head.weight, head.bias) if p is not None]
-            with maybe_gather_lm_head_ctx(*params):
-                chunk_reverse_kl, chunk_tv = exact_reverse_kl_and_tv(
-                    *hidden_states, *heads, temperature=self.temperature
-                )
-            reverse_kl.append(chunk_reverse_kl)
-            tv.append(chunk_tv)
-        return torch.cat(reverse_kl), torch.cat(tv)
 
     # ----------------------------------------------------------------------------------------------------------------
     # The loss
@@ -697,13 +544,8 @@ class TVOPDTrainer(DistillationTrainer):
                 first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
                 if first_pass:
                     u, n = tv_estimate(teacher_logps, old_logps, rollout_active, weights=importance_weights)
-                    tv_sums = torch.stack([u.float(), n.float()])
-                    self._rollout_tv = tv_sums if self._rollout_tv is None else self._rollout_tv + tv_sums
-                    if "exact_tv" in inputs:
-                        exact_tv = torch.where(rollout_active, inputs["exact_tv"], 0.0).sum()
-                        exact = torch.stack([exact_tv, n.float()])
-                        previous = self._rollout_exact_tv
-                        self._rollout_exact_tv = exact if previous is None else previous + exact
+                    exact = torch.where(rollout_active, inputs.get("exact_tv", 0.0), 0.0).sum()
+                    self._rollout_tv += torch.stack([u.float(), n.float(), exact.float()])
             else:
                 statistics.log(self.accelerator, self._metrics[mode], dispersion=False)
                 u, n = tv_estimate(teacher_logps, old_logps, active, weights=importance_weights)
@@ -747,8 +589,7 @@ class TVOPDTrainer(DistillationTrainer):
     def _finish_rollout(self):
         metrics = self._metrics["train"]
         scheduler = self._tv_scheduler
-        tv_sums = self._rollout_tv if self._rollout_tv is not None else torch.zeros(2, device=self.accelerator.device)
-        u, n = self.accelerator.reduce(tv_sums, reduction="sum").tolist()
+        u, n, exact = self.accelerator.reduce(self._rollout_tv, reduction="sum").tolist()
         updated = scheduler.update(u, n, grad_norm=None if self._rollout_grad_norm_finite else float("nan"))
         metrics["tv/frozen"].append(float(not updated))
         if n == 0:
@@ -757,7 +598,6 @@ class TVOPDTrainer(DistillationTrainer):
                 "masked or non-finite). The loss is 0 and the TV scheduler keeps its state."
             )
         metrics["tv/estimate"].append(u / n if n > 0 else float("nan"))
-        if self._rollout_exact_tv is not None:
-            exact_sum, count = self.accelerator.reduce(self._rollout_exact_tv, reduction="sum").tolist()
-            metrics["tv/exact"].append(exact_sum / count if count > 0 else float("nan"))
-        self._rollout_tv, self._rollout_exact_tv, self._rollout_grad_norm_finite = None, None, True
+        if self._needs_exact_divergences:
+            metrics["tv/exact"].append(exact / n if n > 0 else float("nan"))
+        self._rollout_tv, self._rollout_grad_norm_finite = torch.zeros_like(self._rollout_tv), True

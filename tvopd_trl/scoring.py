@@ -1,0 +1,169 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""How the trainer scores completions: the sampled token's log-probability under the student and the teacher (and,
+for the modes that need it, the exact per-state divergences), in micro-batch chunks, with the kernel that fits the
+device and the sharding."""
+
+import torch
+from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+from .checks import LOGIT_POSTPROCESSING_ATTRIBUTES
+from .chunked_logprob import sampled_token_logprobs
+from .divergences import exact_reverse_kl_and_tv
+from .served_teacher import served_teacher_logps
+
+
+class CompletionScoringMixin:
+    """The scoring half of [`TVOPDTrainer`]: it reads the trainer's `args`, `accelerator`, models, `temperature`, the
+    served teacher's client and TRL's `_forward_redirection` / `_get_last_hidden_state`."""
+
+    def score_completions(self, batch, old_logps=False, exact_divergences=False):
+        """
+        Adds the per-token signals of a generated batch and returns it.
+
+        Args:
+            batch (`dict[str, torch.Tensor]`):
+                `prompt_ids`, `prompt_mask`, `completion_ids`, `completion_mask` (and `tool_mask` with tools), as TRL's
+                generation returns them.
+            old_logps (`bool`, *optional*, defaults to `False`):
+                Whether to add `old_logps`, the current student's float32 log-probabilities of the completion tokens.
+            exact_divergences (`bool`, *optional*, defaults to `False`):
+                Whether to add the exact per-state `reverse_kl` and `exact_tv` over the vocabulary (a local teacher
+                only).
+
+        Returns:
+            `dict[str, torch.Tensor]`: `batch` with `loss_mask` and `teacher_logps` (NaN where a served teacher gave no
+            value), and the signals asked for, all `(B, T)` and 0 at padding.
+        """
+        prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        logits_to_keep = batch["completion_ids"].size(1)
+        batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
+        with torch.no_grad():
+            if self._teacher_client is not None:
+                batch["teacher_logps"] = served_teacher_logps(self._teacher_client, batch, self.temperature).to(
+                    self.accelerator.device
+                )
+            else:
+                self.teacher_model.eval()  # whatever another callback or user did to it since construction
+                batch["teacher_logps"] = self._sampled_token_logps(
+                    self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
+                )
+            if old_logps:
+                batch["old_logps"] = self._sampled_token_logps(
+                    self.model, prompt_completion_ids, attention_mask, logits_to_keep
+                )
+            if exact_divergences:
+                batch["reverse_kl"], batch["exact_tv"] = self._exact_divergences(
+                    prompt_completion_ids, attention_mask, logits_to_keep
+                )
+        return batch
+
+    def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
+        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
+        `with_entropy`, also the detached entropy of each position's distribution, from the same pass."""
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
+        logps, entropies = [], []
+        for rows in self._row_chunks(input_ids.size(0)):
+            padding = labels[rows, -logits_to_keep:] == -100
+            if with_trl_kernels:
+                with self.accelerator.autocast():
+                    outputs = model(
+                        input_ids=input_ids[rows],
+                        attention_mask=attention_mask[rows],
+                        labels=labels[rows],
+                        fused_lm_head=True,
+                    )
+                logps.append(outputs.log_probs[:, -logits_to_keep:].float())
+                entropy = outputs.entropy[:, -logits_to_keep:].float() if with_entropy else None
+            else:
+                unwrapped = self.accelerator.unwrap_model(model)
+                # Through the wrapper's forward, so that DDP prepares its gradient reduction for this backward
+                completion_logps, entropy = self._forward_redirection(
+                    model,
+                    unwrapped,
+                    self._completion_logps,
+                    unwrapped,
+                    input_ids[rows],
+                    attention_mask[rows],
+                    logits_to_keep,
+                    with_entropy,
+                )
+                logps.append(completion_logps.masked_fill(padding, 0.0))
+            if with_entropy:
+                entropies.append(entropy.detach().masked_fill(padding, 0.0))
+        return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
+
+    def _row_chunks(self, rows):
+        # Rows of a rollout are scored `per_device_train_batch_size` at a time: the activations of one micro-batch
+        chunk = self.args.per_device_train_batch_size
+        return [slice(start, start + chunk) for start in range(0, rows, chunk)]
+
+    def _scores_with_trl_kernels(self, model, device):
+        # TRL's fused head is the right kernel where it runs Triton, and the only one that knows every model's logit
+        # post-processing, FSDP's DTensors and ZeRO-3. Elsewhere (CPU) `chunked_logprob` projects only the completion
+        # positions through one reused tile: half the time and an eighth of the memory (docs/performance.md).
+        config = self.accelerator.unwrap_model(model).config.get_text_config()
+        return (
+            device.type != "cpu"
+            or self.is_fsdp_enabled
+            or self.is_deepspeed_enabled
+            or any(getattr(config, name, None) is not None for name in LOGIT_POSTPROCESSING_ATTRIBUTES)
+        )
+
+    def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, with_entropy):
+        with self.accelerator.autocast():
+            hidden = self._get_last_hidden_state(unwrapped, input_ids, attention_mask, logits_to_keep)
+        head = unwrapped.get_output_embeddings()
+        with torch.autocast(hidden.device.type, enabled=False):
+            scores = sampled_token_logprobs(
+                hidden,
+                head.weight,
+                head.bias,
+                input_ids[:, -logits_to_keep:],
+                temperature=self.temperature,
+                return_entropy=with_entropy,
+            )
+        return scores if with_entropy else (scores, None)
+
+    def _exact_divergences(self, input_ids, attention_mask, logits_to_keep):
+        reverse_kl, tv = [], []
+        for rows in self._row_chunks(input_ids.size(0)):  # the peak stays one micro-batch's, whatever the rollout size
+            hidden_states, heads = [], []
+            for wrapped in (self.model_wrapped, self.teacher_model):
+                unwrapped = self.accelerator.unwrap_model(wrapped)
+                # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the
+                # backbone.
+                with self.accelerator.autocast():
+                    hidden = self._forward_redirection(
+                        wrapped,
+                        unwrapped,
+                        self._get_last_hidden_state,
+                        unwrapped,
+                        input_ids[rows],
+                        attention_mask[rows],
+                        logits_to_keep,
+                    )
+                hidden_states.append(hidden)
+                heads.append(unwrapped.get_output_embeddings())
+            params = [p for head in heads for p in (head.weight, head.bias) if p is not None]
+            with maybe_gather_lm_head_ctx(*params):
+                chunk_reverse_kl, chunk_tv = exact_reverse_kl_and_tv(
+                    *hidden_states, *heads, temperature=self.temperature
+                )
+            reverse_kl.append(chunk_reverse_kl)
+            tv.append(chunk_tv)
+        return torch.cat(reverse_kl), torch.cat(tv)
