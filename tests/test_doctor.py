@@ -125,3 +125,22 @@ def test_the_command_exits_1_on_a_failure_and_writes_json(tmp_path, capsys):
     verdicts = {c["name"]: c["status"] for c in json.loads(output.read_text())}
     assert verdicts["sampling temperature"] == FAIL
     assert "tvopd-trl doctor" in capsys.readouterr().out
+
+
+def test_rollouts_score_the_teacher_once(make_trainer, tmp_path, monkeypatch):
+    from tvopd_trl import TVOPDTrainer
+    from tvopd_trl.doctor import rollouts
+    from tvopd_trl.testing import tiny_config
+
+    trainer = make_trainer(tiny_config(tmp_path))
+    scored = []
+    original = TVOPDTrainer._sampled_token_logps
+
+    def counting(self, model, *args, **kwargs):
+        scored.append("teacher" if model is self.teacher_model else "student")
+        return original(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(TVOPDTrainer, "_sampled_token_logps", counting)
+    batch = rollouts(trainer, [trainer.train_dataset[i] for i in range(4)])
+    assert sorted(scored) == ["student", "teacher"]  # pi_old and the teacher, once each
+    assert batch["teacher_logps"].shape == batch["old_logps"].shape == batch["completion_ids"].shape

@@ -137,7 +137,7 @@ def rollouts(trainer, prompts, exact_divergences=False):
     with `exact_divergences`, the exact per-state `exact_tv` and `reverse_kl` of a local teacher)."""
     set_seed(trainer.args.seed)
     batch = trainer.score_completions(
-        trainer.generate_and_score(prompts), old_logps=True, exact_divergences=exact_divergences
+        trainer.generate_completions(prompts), old_logps=True, exact_divergences=exact_divergences
     )
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)

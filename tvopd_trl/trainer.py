@@ -410,17 +410,26 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         return completion_ids
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the loss
+        # pass's own detached log-probabilities are pi_old, and that extra forward is skipped.
+        freeze_old_logps = (
+            self.model.training and self._micro_steps_per_rollout > self.args.gradient_accumulation_steps
+        )
+        return self.score_completions(
+            self.generate_completions(inputs),
+            old_logps=freeze_old_logps,
+            exact_divergences=self._needs_exact_divergences,
+        )
+
+    def generate_completions(self, prompts):
+        """Completions of `prompts` (dataset rows with a `prompt`) sampled by the student as a rollout samples them, as
+        TRL's generation returns them (with `sampler_logps` under vLLM), not scored yet: see
+        [`~TVOPDTrainer.score_completions`]."""
+        output = super()._generate_and_score_completions(prompts)
         mode = "train" if self.model.training else "eval"
         device = self.accelerator.device
         truncated = torch.tensor(self._truncated_prompts, device=device, dtype=torch.float32)
         self._metrics[mode]["prompts/truncated"].append(self.accelerator.reduce(truncated, reduction="sum").item())
-        # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the loss
-        # pass's own detached log-probabilities are pi_old, and that extra forward is skipped.
-        freeze_old_logps = mode == "train" and self._micro_steps_per_rollout > self.args.gradient_accumulation_steps
-        output = self.score_completions(
-            output, old_logps=freeze_old_logps, exact_divergences=self._needs_exact_divergences
-        )
         if self.use_vllm:
             # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
             # NaN here, and the loss drops the token.
@@ -434,9 +443,8 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         return output
 
     def generate_and_score(self, prompts):
-        """Completions of `prompts` (dataset rows with a `prompt`) sampled by the student as a rollout samples them,
-        with `teacher_logps` and `loss_mask` (see [`~TVOPDTrainer.score_completions`]): what `tvopd-trl doctor`
-        inspects."""
+        """[`~TVOPDTrainer.generate_completions`] with `teacher_logps` and `loss_mask` (see
+        [`~TVOPDTrainer.score_completions`]), as a rollout batch has them."""
         return self._generate_and_score_completions(prompts)
 
     def record_metric(self, name, value, mode="train"):
