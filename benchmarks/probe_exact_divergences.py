@@ -16,7 +16,7 @@ with M micro-batches takes its first M x B rows. For M = 1, 2, 4, 8 and each of 
 kernels' code, thread pools), settle, read the RSS, reset the peak, then one call under `torch.no_grad()` (as
 `_score_completions` makes it):
 
-    chunked  `trainer._exact_divergences(input_ids, attention_mask, logits_to_keep)`: both models' backbones and
+    chunked  `trainer._exact_divergences(teacher, input_ids, attention_mask, logits_to_keep)`: both models' backbones and
              `exact_reverse_kl_and_tv` on B rows at a time (`TVOPDTrainer._row_chunks`)
     whole    the former behaviour (`whole_rollout` below): both models' `_get_last_hidden_state` over all M x B rows at
              once, then one `exact_reverse_kl_and_tv` call on them
@@ -69,7 +69,7 @@ def whole_rollout(trainer, input_ids, attention_mask, logits_to_keep):
 
 
 def chunked(trainer, input_ids, attention_mask, logits_to_keep):
-    return trainer._exact_divergences(input_ids, attention_mask, logits_to_keep)
+    return trainer._exact_divergences(trainer.teacher_model, input_ids, attention_mask, logits_to_keep)
 
 
 def point_worker(job):

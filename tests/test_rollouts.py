@@ -113,7 +113,7 @@ def test_vllm_tv_estimate_is_weighted_by_the_truncated_importance_ratio(make_tra
         trainer.args.vllm_importance_sampling_correction = correction
         trainer._rollout_tv.zero_()
         trainer.compute_loss(trainer.model, inputs)
-        sums.append(trainer._rollout_tv.tolist()[:2])
+        sums.append(trainer._rollout_tv[0, :2].tolist())
     (weighted, count), (plain, plain_count) = sums
     assert count == plain_count > 0 and plain > 0
     assert weighted == pytest.approx(2.0 * plain, rel=1e-5)

@@ -144,7 +144,7 @@ def test_values_the_server_failed_to_give_are_dropped_and_counted(make_trainer, 
             batch["completion_ids"].size(1),
         ).detach()
     )
-    u, n, _ = trainer._rollout_tv.tolist()
+    ((u, n, _),) = trainer._rollout_tv.tolist()  # the one pooled scale's
     assert n == kept.sum() and u == pytest.approx((-torch.expm1(delta[kept].clamp(max=0))).sum().item(), rel=1e-5)
 
 

@@ -27,12 +27,21 @@ _CONFIG_NAMES = ("tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps")
 
 class TVScheduleCallback(TrainerCallback, ExportableState):
     """
-    Holds the [`TVScheduler`] of a [`TVOPDTrainer`] run and carries its state through checkpoints.
+    Holds the [`TVScheduler`] of a [`TVOPDTrainer`] run, or one per teacher, and carries their state through checkpoints.
 
-    The trainer reads `scheduler.scale` at the first step of each rollout batch and calls `scheduler.update` after the
-    last optimizer step that uses it. Being an `ExportableState`, the scheduler is written into every checkpoint's
+    The trainer reads the scales at the first step of each rollout batch and updates the schedulers after the last
+    optimizer step that uses it. Being an `ExportableState`, the schedulers are written into every checkpoint's
     `trainer_state.json`; on resume with `restore_callback_states_from_checkpoint=True`, transformers rebuilds this
     callback from those arguments, so the trainer always looks the instance up afresh instead of keeping a reference.
+
+    Args:
+        alpha, ema_decay, min_scale, eps:
+            The schedulers' hyperparameters (see [`TVScheduler`]).
+        scheduler_state (`dict`, *optional*):
+            The pooled scheduler's state, to restore.
+        teacher_states (`dict[str, dict | None]`, *optional*):
+            With a scale per teacher (`tv_scale_per_teacher`): each teacher's name -> its scheduler's state to restore
+            (`None` for a fresh one). The pooled scheduler is then not used.
     """
 
     def __init__(
@@ -42,10 +51,17 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
         min_scale: float = 0.1,
         eps: float = 1e-5,
         scheduler_state: dict | None = None,
+        teacher_states: dict | None = None,
     ):
-        self.scheduler = TVScheduler(alpha=alpha, ema_decay=ema_decay, min_scale=min_scale, eps=eps)
+        hyperparameters = dict(alpha=alpha, ema_decay=ema_decay, min_scale=min_scale, eps=eps)
+        self.scheduler = TVScheduler(**hyperparameters)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
+        self.teacher_schedulers = {}
+        for name, state in (teacher_states or {}).items():
+            self.teacher_schedulers[name] = TVScheduler(**hyperparameters)
+            if state is not None:
+                self.teacher_schedulers[name].load_state_dict(state)
 
     def on_train_begin(self, args, state, control, **kwargs):
         # A resumed run keeps the checkpoint's scheduler, hyperparameters included: say so if the config disagrees.
@@ -61,16 +77,16 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
 
     def state(self) -> dict:
         scheduler = self.scheduler
-        return {
-            "args": {
-                "alpha": scheduler.alpha,
-                "ema_decay": scheduler.ema_decay,
-                "min_scale": scheduler.min_scale,
-                "eps": scheduler.eps,
-                "scheduler_state": scheduler.state_dict(),
-            },
-            "attributes": {},
+        args = {
+            "alpha": scheduler.alpha,
+            "ema_decay": scheduler.ema_decay,
+            "min_scale": scheduler.min_scale,
+            "eps": scheduler.eps,
+            "scheduler_state": scheduler.state_dict(),
         }
+        if self.teacher_schedulers:
+            args["teacher_states"] = {name: s.state_dict() for name, s in self.teacher_schedulers.items()}
+        return {"args": args, "attributes": {}}
 
 
 def _local_tensor(param):

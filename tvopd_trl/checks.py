@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 from transformers.utils import logging
 from trl.import_utils import is_vllm_available
 
+from .teachers import SINGLE_TEACHER, check_routing, teacher_sources
 from .tokenizers import check_shared_vocabulary
 
 
@@ -42,18 +43,25 @@ LOGIT_POSTPROCESSING_ATTRIBUTES = (
 
 def check_inputs(args, train_dataset, processing_class, tools, teacher_model):
     """Everything about the arguments that is wrong whatever the models turn out to be (paths aside: see
-    `check_paths`)."""
-    served = args.teacher_model_server_url is not None
-    if served and teacher_model is not None:
+    `check_paths`). Returns the teachers' sources, `(local, served)` (see `teacher_sources`)."""
+    local, served = teacher_sources(teacher_model, args.teacher_model_server_url)
+    if SINGLE_TEACHER in local and SINGLE_TEACHER in served:
         raise ValueError(
             "Pass either a `teacher_model` or `teacher_model_server_url` in the config, not both: with a teacher "
             "server, no teacher is loaded in the training processes."
         )
-    if not served and teacher_model is None:
+    if not local and not served:
         raise ValueError(
             "TVOPDTrainer needs a `teacher_model` (a model or a path), or `teacher_model_server_url` in the config: "
             "the teacher supplies every advantage."
         )
+    names = [*local, *served]
+    if len(names) > 1 and args.tv_scale_target == "learning_rate" and args.tv_scale_per_teacher is not False:
+        raise ValueError(
+            "tv_scale_target='learning_rate' has one learning rate per step, which cannot carry a scale per teacher. "
+            "Set tv_scale_per_teacher=False (one scale pooled over every teacher) or tv_scale_target='advantage'."
+        )
+    check_routing(train_dataset, names)
     if (args.use_vllm or served) and not is_vllm_available():
         feature = "use_vllm=True" if args.use_vllm else "teacher_model_server_url"
         raise ImportError(
@@ -72,10 +80,15 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model):
             "TVOPDTrainer is text-only, but the processing class is a multimodal processor "
             f"({type(processing_class).__name__}). Pass the model's tokenizer instead."
         )
+    return local, served
 
 
-def check_paths(model, teacher_model):
-    for role, value in (("model", model), ("teacher_model", teacher_model)):
+def check_paths(model, local_teachers):
+    """`local_teachers`: `{name: model or path}`, as `teacher_sources` returns them."""
+    roles = {"model": model}
+    for name, value in local_teachers.items():
+        roles["teacher_model" if name == SINGLE_TEACHER else f"teacher_model[{name!r}]"] = value
+    for role, value in roles.items():
         # A Hub id is `name` or `org/name`; anything else that does not exist here is a mistyped local path.
         local = isinstance(value, str) and (value.startswith((".", "/", "~")) or value.count("/") > 1)
         if local and not os.path.exists(os.path.expanduser(value)):
@@ -154,7 +167,7 @@ def load_tokenizer(source, trust_remote_code):
 
 
 def check_loaded_trainer(trainer, teacher_processing_class):
-    """What needs the loaded student and teacher (`trainer.teacher_model` is None with a served teacher)."""
+    """What needs the loaded student and teachers (`trainer.teachers`)."""
     args = trainer.args
     if trainer._is_vlm:  # loaded by the base class when `processing_class` was None
         raise ValueError(
@@ -167,8 +180,12 @@ def check_loaded_trainer(trainer, teacher_processing_class):
             "DeepSpeed engine takes inside `backward`. Use tv_scale_target='advantage' under DeepSpeed."
         )
     student = trainer.accelerator.unwrap_model(trainer.model)
-    teacher = None if trainer.teacher_model is None else trainer.accelerator.unwrap_model(trainer.teacher_model)
-    _check_teacher(trainer, student, teacher, teacher_processing_class)
+    teachers = [
+        None if teacher.served else trainer.accelerator.unwrap_model(teacher.model)
+        for teacher in trainer.teachers.values()
+    ]
+    for teacher in teachers:
+        _check_teacher(trainer, student, teacher, teacher_processing_class if len(teachers) == 1 else None)
     _warn_on_off_policy_sampling(args)
     if args.teacher_model_server_url is not None and args.temperature != 1.0:
         warnings.warn(
@@ -184,7 +201,7 @@ def check_loaded_trainer(trainer, teacher_processing_class):
             stacklevel=3,
         )
     if trainer._needs_exact_divergences:  # the config refuses these with a served teacher
-        for config in (student.config.get_text_config(), teacher.config.get_text_config()):
+        for config in [model.config.get_text_config() for model in (student, *teachers) if model is not None]:
             found = [name for name in LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
             if found:
                 raise ValueError(

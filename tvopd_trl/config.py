@@ -80,6 +80,12 @@ class TVOPDConfig(DistillationConfig):
             unscaled strength lr * weight_decay, as it does with `"advantage"`; an optimizer that adds weight decay to
             the gradient (SGD, Adam) scales it with the step. Not supported under DeepSpeed, whose engine steps the
             optimizer.
+        tv_scale_per_teacher (`bool`, *optional*):
+            With several teachers, whether each has its own scheduler and scale c_k, fed by the TV estimate pooled over
+            its own rows only and frozen on a step where it had none (a row's advantage uses its teacher's c_k), or one
+            scheduler pools every row, as with one teacher. Defaults to `True` with several teachers; ignored with
+            one. Not supported with `tv_scale_target="learning_rate"`, whose one learning rate cannot carry several
+            scales.
         log_update_norm (`bool`, *optional*, defaults to `True`):
             Whether to log `update/norm`, the norm of each optimizer step's realised parameter change. It needs a copy
             of the trainable parameters (of the local shard when sharded) from just before `optimizer.step()` to just
@@ -119,13 +125,15 @@ class TVOPDConfig(DistillationConfig):
 
         > Parameters that control a served teacher
 
-        teacher_model_server_url (`str`, *optional*):
+        teacher_model_server_url (`str` or `dict[str, str]`, *optional*):
             Base URL of a vLLM server that hosts the teacher (e.g. `"http://teacher-node:8000"`, started with `trl
             vllm-serve` or `vllm serve`), as in TRL's `ServerDistillationConfig`. The teacher then scores each sampled
             token with one prefill request (`VLLMClient.get_sequence_logprobs`) instead of living in the training
             processes, which frees their memory for the student. Pass no `teacher_model` to the trainer then, and
             `teacher_processing_class` to check the vocabularies. Needs vLLM's client (`pip install tvopd-trl[vllm]`);
             not usable with `advantage_mode="vopd"` or `log_exact_tv`, which need the full next-token distribution.
+            With several teachers, a mapping `{name: URL}` (a JSON object on the command line): those teachers are
+            served, and the trainer's `teacher_model` mapping names the local ones (docs/multi-teacher.md).
         teacher_model_server_timeout (`float`, *optional*, defaults to `240.0`):
             Seconds to wait for the teacher server to answer its health check before training fails.
 
@@ -136,7 +144,7 @@ class TVOPDConfig(DistillationConfig):
     >   the TV scheduler.
     """
 
-    _VALID_DICT_FIELDS = DistillationConfig._VALID_DICT_FIELDS + ["advantage_kwargs"]
+    _VALID_DICT_FIELDS = DistillationConfig._VALID_DICT_FIELDS + ["advantage_kwargs", "teacher_model_server_url"]
 
     # Parameters whose default values are overridden from DistillationConfig / TrainingArguments
     disable_dropout: bool = field(
@@ -186,6 +194,10 @@ class TVOPDConfig(DistillationConfig):
             "choices": ["advantage", "learning_rate"],
         },
     )
+    tv_scale_per_teacher: bool | None = field(
+        default=None,
+        metadata={"help": "One TV scheduler and scale per teacher (default with several teachers), or one for all."},
+    )
     log_update_norm: bool = field(
         default=True,
         metadata={"help": "Whether to log `update/norm` (costs a copy of the trainable parameters at each step)."},
@@ -219,8 +231,9 @@ class TVOPDConfig(DistillationConfig):
     )
 
     # Parameters that control a served teacher
-    teacher_model_server_url: str | None = field(
-        default=None, metadata={"help": "Base URL of a vLLM server hosting the teacher (scores sampled tokens)."}
+    teacher_model_server_url: dict[str, str] | str | None = field(
+        default=None,
+        metadata={"help": "Base URL of a vLLM server hosting the teacher, or a JSON object {name: URL} of several."},
     )
     teacher_model_server_timeout: float = field(
         default=240.0, metadata={"help": "Seconds to wait for the teacher server's health check."}

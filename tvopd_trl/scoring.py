@@ -15,6 +15,8 @@
 for the modes that need it, the exact per-state divergences), in micro-batch chunks, with the kernel that fits the
 device and the sharding."""
 
+import math
+
 import torch
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
@@ -42,6 +44,9 @@ class CompletionScoringMixin:
                 Whether to add the exact per-state `reverse_kl` and `exact_tv` over the vocabulary (a local teacher
                 only).
 
+        With several teachers, `batch["teacher_index"]` (`(B,)`, see `generate_completions`) routes each row to its
+        teacher, which scores it once.
+
         Returns:
             `dict[str, torch.Tensor]`: `batch` with `loss_mask` and `teacher_logps` (NaN where a served teacher gave no
             value), and the signals asked for, all `(B, T)` and 0 at padding.
@@ -50,25 +55,60 @@ class CompletionScoringMixin:
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         logits_to_keep = batch["completion_ids"].size(1)
         batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
+        signals = ["teacher_logps", *(["reverse_kl", "exact_tv"] if exact_divergences else [])]
         with torch.no_grad():
-            if self._teacher_client is not None:
-                batch["teacher_logps"] = served_teacher_logps(self._teacher_client, batch, self.temperature).to(
-                    self.accelerator.device
-                )
-            else:
-                self.teacher_model.eval()  # whatever another callback or user did to it since construction
-                batch["teacher_logps"] = self._sampled_token_logps(
-                    self.teacher_model, prompt_completion_ids, attention_mask, logits_to_keep
-                )
+            for teacher, rows, real in self._rows_by_teacher(batch):
+                if teacher.served:
+                    routed = {
+                        key: batch[key][rows]
+                        for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+                    }
+                    scores = [
+                        served_teacher_logps(teacher.client, routed, self.temperature).to(self.accelerator.device)
+                    ]
+                else:
+                    teacher.model.eval()  # whatever another callback or user did to it since construction
+                    ids, mask = prompt_completion_ids[rows], attention_mask[rows]
+                    scores = [self._sampled_token_logps(teacher.model, ids, mask, logits_to_keep)]
+                    if exact_divergences:
+                        scores += self._exact_divergences(teacher.model, ids, mask, logits_to_keep)
+                for name, score in zip(signals, scores, strict=True):
+                    if name not in batch:
+                        batch[name] = score.new_full(batch["completion_ids"].shape, math.nan)
+                    batch[name][rows[:real]] = score[:real]
             if old_logps:
                 batch["old_logps"] = self._sampled_token_logps(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
-            if exact_divergences:
-                batch["reverse_kl"], batch["exact_tv"] = self._exact_divergences(
-                    prompt_completion_ids, attention_mask, logits_to_keep
-                )
         return batch
+
+    def _rows_by_teacher(self, batch):
+        """`(teacher, rows, real)` for each teacher: the indices of its rows in `batch`, of which the first `real` are
+        its own. A sharded teacher's forward is a collective, so every process scores as many rows for it as the
+        process with the most, repeating row 0 where it has fewer."""
+        rows_count = batch["completion_ids"].size(0)
+        if len(self.teachers) == 1:
+            rows = torch.arange(rows_count, device=batch["completion_ids"].device)
+            return [(next(iter(self.teachers.values())), rows, rows_count)]
+        if "teacher_index" not in batch:
+            raise ValueError(
+                f"With several teachers ({', '.join(self.teachers)}), a batch names each row's teacher in "
+                "`teacher_index`: generate it with `generate_completions` from prompts with a `teacher_id`."
+            )
+        index = batch["teacher_index"]
+        rows = [(index == k).nonzero().squeeze(1) for k in range(len(self.teachers))]
+        real = [len(own) for own in rows]
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            most = self.accelerator.gather(torch.tensor([real], device=index.device)).max(dim=0).values.tolist()
+            rows = [
+                own if teacher.served else torch.cat([own, own.new_zeros(target - len(own))])
+                for own, target, teacher in zip(rows, most, self.teachers.values(), strict=True)
+            ]
+        return [
+            (teacher, own, count)
+            for teacher, own, count in zip(self.teachers.values(), rows, real, strict=True)
+            if len(own)
+        ]
 
     def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
         """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
@@ -139,11 +179,11 @@ class CompletionScoringMixin:
             )
         return scores if with_entropy else (scores, None)
 
-    def _exact_divergences(self, input_ids, attention_mask, logits_to_keep):
+    def _exact_divergences(self, teacher_model, input_ids, attention_mask, logits_to_keep):
         reverse_kl, tv = [], []
         for rows in self._row_chunks(input_ids.size(0)):  # the peak stays one micro-batch's, whatever the rollout size
             hidden_states, heads = [], []
-            for wrapped in (self.model_wrapped, self.teacher_model):
+            for wrapped in (self.model_wrapped, teacher_model):
                 unwrapped = self.accelerator.unwrap_model(wrapped)
                 # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the
                 # backbone.

@@ -22,10 +22,11 @@ from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
-from trl.models import prepare_fsdp
+from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
+    create_model_from_path,
     pad,
     repeat_iterable_dataset,
     shuffle_sequence_dict,
@@ -40,6 +41,7 @@ from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .scoring import CompletionScoringMixin
+from .teachers import SINGLE_TEACHER, Teacher, teacher_index
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -132,28 +134,27 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
             args = TVOPDConfig(f"{name.split('/')[-1]}-TVOPD")
         if not isinstance(args, TVOPDConfig):
             raise TypeError(f"`args` must be a TVOPDConfig, got {type(args).__name__}.")
-        check_inputs(args, train_dataset, processing_class, tools, teacher_model)
+        local_teachers, served_teachers = check_inputs(args, train_dataset, processing_class, tools, teacher_model)
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
             url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
             connect_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
-        served = args.teacher_model_server_url is not None
-        teacher_client = None
-        if served:
-            teacher_client = connect_server(
-                args.teacher_model_server_url,
-                args.teacher_model_server_timeout,
-                "the teacher server (teacher_model_server_url)",
-            )
-        check_paths(model, teacher_model)
-        if teacher_processing_class is None and isinstance(teacher_model, str):
-            teacher_processing_class = load_tokenizer(teacher_model, args.trust_remote_code)
-        if teacher_processing_class is not None and isinstance(processing_class, PreTrainedTokenizerBase):
-            check_shared_vocabulary(processing_class, teacher_processing_class)  # before any model loads
+        clients = {
+            name: connect_server(url, args.teacher_model_server_timeout, f"the teacher server {name!r}")
+            for name, url in served_teachers.items()
+        }
+        check_paths(model, local_teachers)
+        for source in local_teachers.values():
+            tokenizer = teacher_processing_class if len(local_teachers) == 1 else None
+            if tokenizer is None and isinstance(source, str):
+                tokenizer = load_tokenizer(source, args.trust_remote_code)
+            if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):
+                check_shared_vocabulary(processing_class, tokenizer)  # before any model loads
 
+        # The base trainer loads and places one teacher; `_add_teacher` does the same for the others.
         super().__init__(
             model=model,
-            teacher_model=teacher_model,
+            teacher_model=next(iter(local_teachers.values()), None),
             args=args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
@@ -164,28 +165,23 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
             peft_config=peft_config,
             tools=tools,
         )
-        self._teacher_client = teacher_client
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
-        if self.is_fsdp_enabled and not served:
-            # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
-            self.teacher_model = prepare_fsdp(self.teacher_model, self.accelerator)
-        if not served:
-            # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
-            self.teacher_model.eval()
+        self.teachers = {}  # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
+        for index, (name, source) in enumerate(local_teachers.items()):
+            self._add_teacher(name, self.teacher_model if index == 0 else source)
+        self.teachers.update({name: Teacher(name, client=client) for name, client in clients.items()})
+        self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
         check_loaded_trainer(self, teacher_processing_class)
-        student = self.accelerator.unwrap_model(self.model)
-        teacher = None if served else self.accelerator.unwrap_model(self.teacher_model)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
+        student = self.accelerator.unwrap_model(self.model)
         add_fused_lm_head(
             student.get_base_model() if hasattr(student, "get_base_model") else student,
             temperature=self.temperature,
             cast_lm_head_to_fp32=True,
             outputs=("log_probs", "entropy"),
         )
-        if teacher is not None:
-            add_fused_lm_head(teacher, temperature=self.temperature, cast_lm_head_to_fp32=True)
 
         # First in line, so that every other callback's `on_optimizer_step` sees the finished step.
         self.callback_handler.callbacks.insert(0, _OptimizerStepHooks(self))
@@ -195,7 +191,11 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
             self.add_callback(LearningRateScaleCallback(self))
         self.add_callback(
             TVScheduleCallback(
-                alpha=args.tv_alpha, ema_decay=args.tv_ema_decay, min_scale=args.tv_min_scale, eps=args.tv_eps
+                alpha=args.tv_alpha,
+                ema_decay=args.tv_ema_decay,
+                min_scale=args.tv_min_scale,
+                eps=args.tv_eps,
+                teacher_states=dict.fromkeys(self.teachers) if self.per_teacher_scale else None,
             )
         )
 
@@ -207,11 +207,48 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
         # The c_k of the rollout batch being trained on, read once at its first step (`LearningRateScaleCallback` reads
         # it too)
-        self.rollout_scale = 1.0
-        self._rollout_tv = torch.zeros(3, device=self.accelerator.device)  # (U, N, sum of the exact TV)
+        # The c_k of each scale (one per teacher, or one), read at the first step of a rollout batch and held for it
+        self.rollout_scales = [1.0] * (len(self.teachers) if self.per_teacher_scale else 1)
+        # Per scale: (U, N, sum of the exact TV) of the rollout's first pass
+        self._rollout_tv = torch.zeros(len(self.rollout_scales), 3, device=self.accelerator.device)
         self._rollout_grad_norm_finite = True
         self._step_statistics = StepStatistics()
         self._step_grad_norm = None
+
+    def _add_teacher(self, name, teacher):
+        """Registers a local teacher: a model or path that is loaded and placed as the base trainer does its one (the
+        base trainer's own teacher, `self.teacher_model`, arrives placed), sharded under FSDP, in eval mode, with the
+        fused float32 head."""
+        if teacher is not self.teacher_model:
+            if isinstance(teacher, str):
+                kwargs = dict(self.args.teacher_model_init_kwargs or {})
+                dtype = kwargs.get("dtype")
+                kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
+                if self.args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+                    kwargs["device_map"] = None  # as the base trainer: "auto" fails under distributed training
+                kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
+                teacher = create_model_from_path(teacher, **kwargs)
+            student_vocab = self.model.config.get_text_config().vocab_size
+            if teacher.config.get_text_config().vocab_size != student_vocab:
+                raise ValueError(
+                    f"Teacher {name!r} has vocab_size {teacher.config.get_text_config().vocab_size}, the student "
+                    f"{student_vocab}: every teacher shares the student's vocabulary."
+                )
+            if self.is_deepspeed_enabled:
+                teacher = prepare_deepspeed(teacher, self.accelerator)
+            else:
+                teacher = self.accelerator.prepare_model(teacher, evaluation_mode=True)
+        if self.is_fsdp_enabled:
+            # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
+            teacher = prepare_fsdp(teacher, self.accelerator)
+        # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
+        teacher.eval()
+        add_fused_lm_head(
+            self.accelerator.unwrap_model(teacher), temperature=self.temperature, cast_lm_head_to_fp32=True
+        )
+        if not self.teachers:
+            self.teacher_model = teacher  # the base trainer's attribute names the first local teacher
+        self.teachers[name] = Teacher(name, model=teacher)
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """As [`~transformers.Trainer.train`], except that `resume_from_checkpoint=True` resumes from the last
@@ -258,7 +295,7 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
                 "layout": self._rollout_layout(),
                 "step": self._step,
                 "buffered_inputs": self._buffered_inputs,
-                "scale": self.rollout_scale,
+                "scales": self.rollout_scales,
                 "tv": self._rollout_tv,
                 "grad_norm_finite": self._rollout_grad_norm_finite,
             }
@@ -278,7 +315,7 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
             return
         self._step = state["step"]
         self._buffered_inputs = state["buffered_inputs"]
-        self.rollout_scale = state["scale"]
+        self.rollout_scales = state["scales"]
         self._rollout_tv = state["tv"]
         self._rollout_grad_norm_finite = state["grad_norm_finite"]
 
@@ -289,10 +326,15 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if not self.is_world_process_zero():
             return
-        if self.args.teacher_model_server_url is not None:
-            teacher = self.args.teacher_model_server_url
-        else:
-            teacher = self.accelerator.unwrap_model(self.teacher_model).config._name_or_path
+        sources = {
+            name: self.args.teacher_model_server_url
+            if teacher.served and name == SINGLE_TEACHER
+            else self.args.teacher_model_server_url[name]
+            if teacher.served
+            else self.accelerator.unwrap_model(teacher.model).config._name_or_path
+            for name, teacher in self.teachers.items()
+        }
+        teacher = sources[SINGLE_TEACHER] if len(sources) == 1 and SINGLE_TEACHER in sources else sources
         section = card_section(self.args, self.state.log_history, teacher=teacher, dataset=dataset_name)
         add_section(os.path.join(self.args.output_dir, "README.md"), section)
 
@@ -306,12 +348,49 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
             shutil.copy(card, checkpoint)
 
     @property
-    def _tv_scheduler(self):
+    def _tv_schedule(self):
         # Looked up on every use: resuming rebuilds the callback from the checkpoint (a new instance).
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, TVScheduleCallback):
-                return callback.scheduler
+                return callback
         raise RuntimeError("The TVScheduleCallback was removed from the trainer; TV-OPD cannot run without it.")
+
+    @property
+    def _tv_scheduler(self):
+        """The pooled scheduler (the one in use unless each teacher has its own)."""
+        return self._tv_schedule.scheduler
+
+    @property
+    def _tv_schedulers(self):
+        """The schedulers in use, in the order of `rollout_scales`: one per teacher, or the pooled one."""
+        if not self.per_teacher_scale:
+            return [self._tv_scheduler]
+        schedulers = self._tv_schedule.teacher_schedulers
+        if set(schedulers) != set(self.teachers):
+            raise ValueError(
+                f"The checkpoint holds TV schedulers for teachers {sorted(schedulers)}, but this run's teachers are "
+                f"{sorted(self.teachers)}: resume with the same teachers."
+            )
+        return [schedulers[name] for name in self.teachers]
+
+    @property
+    def rollout_scale(self) -> float:
+        """The c_k of the rollout batch being trained on (`LearningRateScaleCallback` reads it); with a scale per
+        teacher, see `rollout_scales`."""
+        if self.per_teacher_scale:
+            raise AttributeError("Each teacher has its own scale: read `rollout_scales`.")
+        return self.rollout_scales[0]
+
+    @rollout_scale.setter
+    def rollout_scale(self, value):
+        self.rollout_scales = [float(value)] * len(self.rollout_scales)
+
+    def _scale_index(self, batch):
+        """The `(B,)` index of each row's scale in `rollout_scales`: its teacher's, or the one pooled scale."""
+        rows = batch["completion_ids"].size(0)
+        if self.per_teacher_scale:
+            return batch["teacher_index"]
+        return torch.zeros(rows, dtype=torch.long, device=batch["completion_ids"].device)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Rollout batching: one rollout batch feeds `steps_per_generation` optimizer steps, `num_iterations` times
@@ -422,14 +501,16 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         )
 
     def generate_completions(self, prompts):
-        """Completions of `prompts` (dataset rows with a `prompt`) sampled by the student as a rollout samples them, as
-        TRL's generation returns them (with `sampler_logps` under vLLM), not scored yet: see
-        [`~TVOPDTrainer.score_completions`]."""
+        """Completions of `prompts` (dataset rows with a `prompt`, and a `teacher_id` with several teachers) sampled by
+        the student as a rollout samples them, as TRL's generation returns them (with `sampler_logps` under vLLM, and
+        `teacher_index` with several teachers), not scored yet: see [`~TVOPDTrainer.score_completions`]."""
         output = super()._generate_and_score_completions(prompts)
         mode = "train" if self.model.training else "eval"
         device = self.accelerator.device
         truncated = torch.tensor(self._truncated_prompts, device=device, dtype=torch.float32)
         self._metrics[mode]["prompts/truncated"].append(self.accelerator.reduce(truncated, reduction="sum").item())
+        if len(self.teachers) > 1:
+            output["teacher_index"] = teacher_index(prompts, list(self.teachers), device)
         if self.use_vllm:
             # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
             # NaN here, and the loss drops the token.
@@ -496,9 +577,12 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         delta, rollout_active = self._rollout_delta(inputs, old_logps)
         active = rollout_active & torch.isfinite(logps).detach()
 
+        schedulers = self._tv_schedulers
         if in_rollout and self._step % self._micro_steps_per_rollout == 0:
-            self.rollout_scale = self._tv_scheduler.scale  # c_k: read once, held for the whole rollout batch
-        scale = self.rollout_scale if in_rollout else self._tv_scheduler.scale
+            self.rollout_scales = [s.scale for s in schedulers]  # c_k: read once, held for the whole rollout batch
+        scales = self.rollout_scales if in_rollout else [s.scale for s in schedulers]
+        scale_index = self._scale_index(inputs)
+        scale = torch.tensor(scales, device=delta.device)[scale_index].unsqueeze(1)
         spec = ADVANTAGE_MODE_REGISTRY[args.advantage_mode]
         advantages = compute_advantages(
             args.advantage_mode,
@@ -551,9 +635,11 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
             if in_rollout:
                 first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
                 if first_pass:
-                    u, n = tv_estimate(teacher_logps, old_logps, rollout_active, weights=importance_weights)
-                    exact = torch.where(rollout_active, inputs.get("exact_tv", 0.0), 0.0).sum()
-                    self._rollout_tv += torch.stack([u.float(), n.float(), exact.float()])
+                    for index in range(len(scales)):
+                        rows = rollout_active & (scale_index == index).unsqueeze(1)
+                        u, n = tv_estimate(teacher_logps, old_logps, rows, weights=importance_weights)
+                        exact = torch.where(rows, inputs.get("exact_tv", 0.0), 0.0).sum()
+                        self._rollout_tv[index] += torch.stack([u.float(), n.float(), exact.float()])
             else:
                 statistics.log(self.accelerator, self._metrics[mode], dispersion=False)
                 u, n = tv_estimate(teacher_logps, old_logps, active, weights=importance_weights)
@@ -583,23 +669,33 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
-        metrics["tv/scale"].append(self.rollout_scale)
+        for prefix, scale in zip(self._scale_prefixes, self.rollout_scales, strict=True):
+            metrics[f"{prefix}scale"].append(scale)
 
         self._step_statistics.log(self.accelerator, metrics)
         self._step_statistics = StepStatistics()
 
         if self._step % self._micro_steps_per_rollout == 0:
             self._finish_rollout()
-        scheduler = self._tv_scheduler
-        metrics["tv/ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
-        metrics["tv/reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
+        for prefix, scheduler in zip(self._scale_prefixes, self._tv_schedulers, strict=True):
+            metrics[f"{prefix}ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
+            metrics[f"{prefix}reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
+
+    @property
+    def _scale_prefixes(self):
+        # `tv/scale`, ... for the one pooled scale; `tv/<teacher>/scale`, ... for each teacher's
+        return [f"tv/{name}/" for name in self.teachers] if self.per_teacher_scale else ["tv/"]
 
     def _finish_rollout(self):
         metrics = self._metrics["train"]
-        scheduler = self._tv_scheduler
-        u, n, exact = self.accelerator.reduce(self._rollout_tv, reduction="sum").tolist()
-        updated = scheduler.update(u, n, grad_norm=None if self._rollout_grad_norm_finite else float("nan"))
-        metrics["tv/frozen"].append(float(not updated))
+        totals = self.accelerator.reduce(self._rollout_tv, reduction="sum")
+        grad_norm = None if self._rollout_grad_norm_finite else float("nan")
+        frozen = [
+            not scheduler.update(u, n, grad_norm=grad_norm)
+            for scheduler, (u, n, _) in zip(self._tv_schedulers, totals.tolist(), strict=True)
+        ]
+        metrics["tv/frozen"].append(float(all(frozen)))
+        u, n, exact = totals.sum(dim=0).tolist()
         if n == 0:
             logger.warning(
                 f"Step {self.state.global_step + 1}: the rollout batch has no active token (every completion is empty, "
@@ -608,4 +704,7 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         metrics["tv/estimate"].append(u / n if n > 0 else float("nan"))
         if self._needs_exact_divergences:
             metrics["tv/exact"].append(exact / n if n > 0 else float("nan"))
+        if self.per_teacher_scale:
+            for prefix, (u, n, _) in zip(self._scale_prefixes, totals.tolist(), strict=True):
+                metrics[f"{prefix}estimate"].append(u / n if n > 0 else float("nan"))
         self._rollout_tv, self._rollout_grad_norm_finite = torch.zeros_like(self._rollout_tv), True

@@ -1,0 +1,170 @@
+"""Several teachers: routing by `teacher_id`, each row scored once by its own teacher, one TV scale per teacher."""
+
+import math
+
+import pytest
+import torch
+
+from tvopd_trl import TVOPDTrainer
+from tvopd_trl.advantages import ADVANTAGE_MODES
+from tvopd_trl.testing import tiny_config
+from tvopd_trl.tiny import prompt_dataset
+
+
+def routed(n, names=("wide", "self"), pattern=None):
+    """The first `n` OPD prompts; row i goes to `names[pattern[i]]` (alternating by default)."""
+    dataset = prompt_dataset("opd", n)
+    pattern = pattern or [i % len(names) for i in range(n)]
+    return dataset.add_column("teacher_id", [names[k] for k in pattern])
+
+
+@pytest.fixture
+def two_teachers(model_dirs):
+    # "self" is the student's own checkpoint: on its rows, the first rollout's delta is 0 up to rounding
+    return {"wide": model_dirs["teacher"], "self": model_dirs["student"]}
+
+
+def step_logs(trainer):
+    return [entry for entry in trainer.state.log_history if "tv/estimate" in entry and "loss" in entry]
+
+
+def test_each_row_is_scored_once_by_its_own_teacher(make_trainer, two_teachers, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_config(tmp_path), teacher_model=two_teachers, train_dataset=routed(8))
+    assert list(trainer.teachers) == ["wide", "self"] and trainer.per_teacher_scale
+    scored = []
+    original = TVOPDTrainer._sampled_token_logps
+
+    def counting(self, model, input_ids, *args, **kwargs):
+        names = [name for name, t in self.teachers.items() if t.model is model]
+        scored.append((names[0] if names else "student", input_ids.size(0)))
+        return original(self, model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(TVOPDTrainer, "_sampled_token_logps", counting)
+    prompts = [trainer.train_dataset[i] for i in range(8)]
+    batch = trainer.score_completions(trainer.generate_completions(prompts))
+    assert sorted(scored) == [("self", 4), ("wide", 4)]
+    assert batch["teacher_index"].tolist() == [0, 1] * 4
+
+    monkeypatch.setattr(TVOPDTrainer, "_sampled_token_logps", original)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].size(1)
+    for index, teacher in enumerate(trainer.teachers.values()):
+        rows = batch["teacher_index"] == index
+        alone = trainer._sampled_token_logps(teacher.model, ids[rows], mask[rows], keep)
+        torch.testing.assert_close(batch["teacher_logps"][rows], alone, rtol=0, atol=0)
+    student = trainer._sampled_token_logps(trainer.model, ids, mask, keep)
+    own = batch["teacher_index"] == 1
+    torch.testing.assert_close(batch["teacher_logps"][own], student[own], rtol=0, atol=1e-6)
+    assert not torch.allclose(batch["teacher_logps"][~own], student[~own])
+
+
+@pytest.mark.parametrize(
+    ("teachers", "dataset", "message"),
+    [
+        ({"wide": "T", "self": "S"}, lambda: prompt_dataset("opd", 8), "lacks"),
+        ({"wide": "T", "self": "S"}, lambda: routed(8, names=("wide", "other")), r"unknown teachers \['other'\]"),
+        ({"wide": "T", "self": "S"}, lambda: routed(8, pattern=[0] * 8), "No prompt names teacher 'self'"),
+        ({"wide": "T", "self": ""}, lambda: routed(8), "Teacher 'self' is empty"),
+    ],
+)
+def test_routing_errors_come_before_any_model_loads(teachers, dataset, message, tmp_path):
+    # The model paths do not exist: the routing error must come first
+    with pytest.raises(ValueError, match=message):
+        TVOPDTrainer(
+            model="/missing/student", teacher_model=teachers, args=tiny_config(tmp_path), train_dataset=dataset()
+        )
+
+
+def test_a_name_both_local_and_served_is_refused(tmp_path):
+    args = tiny_config(tmp_path, teacher_model_server_url='{"wide": "http://localhost:1"}')
+    assert args.teacher_model_server_url == {"wide": "http://localhost:1"}  # JSON from the command line
+    with pytest.raises(ValueError, match="both a local model and a server"):
+        TVOPDTrainer(model="/missing", teacher_model={"wide": "T"}, args=args, train_dataset=routed(8))
+
+
+def test_learning_rate_target_needs_one_pooled_scale(tmp_path):
+    args = tiny_config(tmp_path, tv_scale_target="learning_rate")
+    with pytest.raises(ValueError, match="tv_scale_per_teacher=False"):
+        TVOPDTrainer(model="/missing", teacher_model={"wide": "T", "self": "S"}, args=args, train_dataset=routed(8))
+
+
+def test_each_teacher_has_its_own_scale_fed_by_its_own_rows(make_trainer, two_teachers, tmp_path):
+    # Rollouts of 4 in dataset order: steps 1 and 3 see only "self", steps 2 and 4 only "wide"
+    args = tiny_config(tmp_path, max_steps=4, shuffle_dataset=False, tv_ema_decay=0.5)
+    trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(8, pattern=[1] * 4 + [0] * 4))
+    trainer.train()
+    logs = step_logs(trainer)
+    wide, own = [[entry[f"tv/{name}/estimate"] for entry in logs] for name in ("wide", "self")]
+    # Frozen without rows: no estimate (logged as None, JSON's NaN)
+    assert all(value is None or math.isnan(value) for value in (wide[0], own[1], wide[2], own[3]))
+    assert own[0] == pytest.approx(0.0, abs=1e-6) and wide[1] > 0.05  # before its first update the student is "self"
+    # Each scheduler folded exactly its own estimates, in order
+    wide_scheduler, own_scheduler = trainer._tv_schedulers
+    assert wide_scheduler.num_updates == own_scheduler.num_updates == 2
+    assert wide_scheduler.reference == pytest.approx(wide[1]) and own_scheduler.reference == pytest.approx(own[0])
+    assert wide_scheduler.ema == pytest.approx(0.5 * wide[1] + 0.5 * wide[3])
+    assert logs[2]["tv/self/scale"] == pytest.approx(1.0)  # EMA = reference after one update
+    # The pooled estimate is every row's; there is no pooled scale
+    assert logs[1]["tv/estimate"] == pytest.approx(wide[1]) and "tv/scale" not in logs[0]
+
+
+def test_a_rows_advantage_uses_its_teachers_scale(make_trainer, two_teachers, tmp_path):
+    args = tiny_config(tmp_path, max_steps=1, gradient_accumulation_steps=2)
+    trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(8))
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    seen = {}
+    original = TVOPDTrainer.compute_loss
+
+    def capture(mode, **kwargs):
+        seen["scale"] = kwargs["scale"]
+        return torch.zeros_like(kwargs["teacher_logps"])
+
+    import tvopd_trl.trainer as trainer_module
+
+    trainer.rollout_scales = [0.25, 0.5]
+    trainer._step = 1  # inside the rollout batch: the held scales are used
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer_module, "compute_advantages", capture)
+        original(trainer, trainer.model, inputs)
+    expected = torch.tensor([0.25, 0.5])[inputs["teacher_index"]].unsqueeze(1)
+    torch.testing.assert_close(seen["scale"], expected)
+
+
+def test_pooled_scale_over_several_teachers(make_trainer, two_teachers, tmp_path):
+    args = tiny_config(tmp_path, max_steps=2, tv_scale_per_teacher=False)
+    trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(8))
+    trainer.train()
+    assert not trainer.per_teacher_scale and len(trainer._tv_schedulers) == 1
+    logs = step_logs(trainer)
+    assert all("tv/scale" in entry and "tv/wide/scale" not in entry for entry in logs)
+    assert trainer._tv_scheduler.num_updates == 2
+
+
+def test_resume_restores_every_teachers_scheduler(make_trainer, two_teachers, tmp_path):
+    def run(resume=None):
+        args = tiny_config(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, tv_ema_decay=0.5)
+        trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(16))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run()
+    resumed = run(str(tmp_path / "checkpoint-2"))
+    for a, b in zip(full._tv_schedulers, resumed._tv_schedulers, strict=True):
+        assert a.state_dict() == b.state_dict() and a.num_updates == 4
+    full_logs = {entry["step"]: entry for entry in step_logs(full)}
+    for entry in step_logs(resumed):
+        for key in ("tv/wide/scale", "tv/self/scale", "tv/wide/estimate", "tv/self/ema"):
+            assert entry[key] == pytest.approx(full_logs[entry["step"]][key], nan_ok=True), (entry["step"], key)
+
+
+@pytest.mark.parametrize("mode", ADVANTAGE_MODES)
+def test_every_mode_trains_with_two_teachers(mode, make_trainer, two_teachers, tmp_path):
+    args = tiny_config(tmp_path, advantage_mode=mode, max_steps=1, log_exact_tv=True)
+    trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(8))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
+    (entry,) = step_logs(trainer)
+    assert math.isfinite(entry["loss"]) and 0 <= entry["tv/exact"] <= 1

@@ -1,0 +1,106 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Several teachers by name, each prompt routed to its own by the dataset's `teacher_id` column.
+
+A run's teachers are `{name: source}`: a local model, path or Hub id from `teacher_model`, or a server URL from
+`teacher_model_server_url`, either of which may be a mapping. A single teacher, given as today, is named
+`SINGLE_TEACHER` and needs no column.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+TEACHER_ID_COLUMN = "teacher_id"  # the column TRL's asynchronous distillation trainer routes by
+SINGLE_TEACHER = "teacher"
+
+
+@dataclass
+class Teacher:
+    """One teacher of a run: a prepared local `model` or the `client` of its server (the other is `None`)."""
+
+    name: str
+    model: Any = None
+    client: Any = None
+
+    @property
+    def served(self) -> bool:
+        return self.client is not None
+
+
+def teacher_sources(teacher_model, server_url) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(local, served)`: `{name: model or path}` and `{name: URL}`, from the trainer's `teacher_model` and the config's
+    `teacher_model_server_url`. Raises a `ValueError` naming the fix for an empty teacher, a name given twice, or a
+    mapping beside an unnamed teacher."""
+    named = isinstance(teacher_model, Mapping) or isinstance(server_url, Mapping)
+    if named and not (teacher_model is None or isinstance(teacher_model, Mapping)):
+        raise ValueError("With several teachers, `teacher_model` is a mapping {name: model or path} too.")
+    if named and not (server_url is None or isinstance(server_url, Mapping)):
+        raise ValueError("With several teachers, `teacher_model_server_url` is a mapping {name: URL} too.")
+    if not named:
+        local = {} if teacher_model is None else {SINGLE_TEACHER: teacher_model}
+        served = {} if server_url is None else {SINGLE_TEACHER: server_url}
+        return local, served
+    local, served = dict(teacher_model or {}), dict(server_url or {})
+    both = sorted(set(local) & set(served))
+    if both:
+        raise ValueError(f"Teacher {both[0]!r} is both a local model and a server: name each teacher once.")
+    for name, source in {**local, **served}.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Teacher names are non-empty strings, got {name!r}.")
+        if source is None or (isinstance(source, str) and not source.strip()):
+            raise ValueError(f"Teacher {name!r} is empty: give it a model, a local path, a Hub id or a server URL.")
+    return local, served
+
+
+def check_routing(dataset, names) -> None:
+    """With several teachers, every prompt of `dataset` names one of them in `teacher_id`; a teacher no prompt names
+    is an error too (its scale would never move). An iterable dataset is checked as its rows are drawn."""
+    if len(names) < 2 or dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and TEACHER_ID_COLUMN not in columns:
+        raise ValueError(
+            f"With several teachers ({', '.join(names)}), each prompt names its teacher in a `{TEACHER_ID_COLUMN}` "
+            f"column, which the training dataset lacks (its columns: {', '.join(columns)})."
+        )
+    if not hasattr(dataset, "unique"):
+        return
+    used = set(dataset.unique(TEACHER_ID_COLUMN))
+    unknown = sorted(map(str, used - set(names)))
+    if unknown:
+        raise ValueError(
+            f"Prompts name unknown teachers {unknown} in `{TEACHER_ID_COLUMN}`; the teachers are {names}."
+        )
+    unused = [name for name in names if name not in used]
+    if unused:
+        raise ValueError(
+            f"No prompt names teacher {unused[0]!r} in `{TEACHER_ID_COLUMN}`: drop it, or route prompts to it."
+        )
+
+
+def teacher_index(rows, names, device) -> torch.Tensor:
+    """The `(B,)` position in `names` of each dataset row's teacher (all 0 for a single teacher)."""
+    if len(names) == 1:
+        return torch.zeros(len(rows), dtype=torch.long, device=device)
+    try:
+        return torch.tensor([names.index(row[TEACHER_ID_COLUMN]) for row in rows], dtype=torch.long, device=device)
+    except (KeyError, ValueError):
+        found = sorted({str(row.get(TEACHER_ID_COLUMN)) for row in rows} - set(names))
+        raise ValueError(
+            f"A prompt names teacher {found} in `{TEACHER_ID_COLUMN}`; the teachers are {names}."
+        ) from None
