@@ -78,6 +78,9 @@ class Shape:
     prompt: int = 64
     batch: int = 4
     layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 0  # the MLP's width; 0 = 2 x hidden
 
     @property
     def name(self):
@@ -113,16 +116,21 @@ def build_tokenizer(vocab_size):
     )
 
 
-def build_model(shape, seed):
+def build_model(shape, seed, device=None, dtype=None):
+    """A randomly initialised Qwen2 of `shape` (seed `seed`), in evaluation mode. `device` (default: CPU) is where its
+    weights are created and initialised (a GPU builds a 1.5B model in seconds, a CPU in minutes); `dtype` (default
+    float32) what they are cast to afterwards."""
+    import contextlib
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
-        intermediate_size=2 * shape.hidden,
+        intermediate_size=shape.intermediate or 2 * shape.hidden,
         num_hidden_layers=shape.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
         max_position_embeddings=max(2048, shape.prompt + shape.completion),
         tie_word_embeddings=False,
         pad_token_id=PAD_ID,
@@ -130,7 +138,9 @@ def build_model(shape, seed):
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).eval()
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = Qwen2ForCausalLM(config)
+    return (model.to(dtype) if dtype is not None else model).eval()
 
 
 def rollout(shape, cache_dir):
@@ -144,24 +154,30 @@ def rollout(shape, cache_dir):
     prompt_ids = torch.randint(3, shape.vocab, (shape.batch, shape.prompt), generator=generator)
     student = build_model(shape, STUDENT_SEED)
     torch.manual_seed(ROLLOUT_SEED)
+    sequences = sample_exactly(student, prompt_ids, shape.completion)
+    data = {"prompt_ids": prompt_ids, "completion_ids": sequences[:, shape.prompt :].contiguous()}
+    assert data["completion_ids"].shape == (shape.batch, shape.completion)
+    os.makedirs(cache_dir, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def sample_exactly(model, prompt_ids, new_tokens):
+    """`model.generate` of exactly `new_tokens` tokens after each row of `prompt_ids` (no padding), sampled at
+    temperature 1, top-k 0, top-p 1 (EOS never ends a row early); returns the (B, P + new_tokens) sequences."""
     with torch.no_grad():
-        sequences = student.generate(
+        return model.generate(
             input_ids=prompt_ids,
             attention_mask=torch.ones_like(prompt_ids),
             do_sample=True,
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            min_new_tokens=shape.completion,
-            max_new_tokens=shape.completion,
+            min_new_tokens=new_tokens,
+            max_new_tokens=new_tokens,
             pad_token_id=PAD_ID,
             eos_token_id=EOS_ID,
         )
-    data = {"prompt_ids": prompt_ids, "completion_ids": sequences[:, shape.prompt :].contiguous()}
-    assert data["completion_ids"].shape == (shape.batch, shape.completion)
-    os.makedirs(cache_dir, exist_ok=True)
-    torch.save(data, path)
-    return data
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -190,15 +206,16 @@ class FixedBatchCollator:
         return {key: value.clone() for key, value in self.batch.items()}
 
 
-def build_trainer(kind, shape, data, steps, output_dir, config_overrides=None):
+def build_trainer(kind, shape, data, steps, output_dir, config_overrides=None, models=None):
     """A fresh trainer `kind` (a key of TRAINERS) on fresh seed-0 / seed-1 models, set to run `steps` optimizer
     steps per `train()` call, in loss-phase mode (see `use_fixed_completions`). `config_overrides` (a dict, default
     none) replaces or adds fields of the trainer's config, e.g. `{"log_update_norm": False}` for the TV-OPD trainers
-    or `{"gradient_accumulation_steps": 4}`."""
+    or `{"gradient_accumulation_steps": 4}`. `models` (default none): the (student, teacher) to train instead of fresh
+    CPU float32 ones, e.g. built on a GPU by `build_model(shape, seed, device, dtype)`."""
     from datasets import Dataset
 
     tokenizer = build_tokenizer(shape.vocab)
-    student, teacher = build_model(shape, STUDENT_SEED), build_model(shape, TEACHER_SEED)
+    student, teacher = models or (build_model(shape, STUDENT_SEED), build_model(shape, TEACHER_SEED))
     prompts = [" ".join(tokenizer.convert_ids_to_tokens(row)) for row in data["prompt_ids"].tolist()]
     dataset = Dataset.from_dict({"prompt": prompts})
     shared = dict(
@@ -297,23 +314,30 @@ def _step_timer_class():
 
     class StepTimer(TrainerCallback):
         """Seconds from `on_step_begin` to `on_step_end` of every optimizer step: batch preparation (generation or
-        not), scoring, loss, backward, clipping, `optimizer.step()`, scheduler and the trainer's callbacks."""
+        not), scoring, loss, backward, clipping, `optimizer.step()`, scheduler and the trainer's callbacks. With
+        `synchronize`, both ends wait for the queued CUDA work first, so that a step's seconds are its own."""
 
-        def __init__(self):
+        def __init__(self, synchronize=False):
             self.seconds = []
+            self.synchronize = synchronize and torch.cuda.is_available()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if self.synchronize:
+                torch.cuda.synchronize()
             self._start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self.synchronize:
+                torch.cuda.synchronize()
             self.seconds.append(time.perf_counter() - self._start)
 
     return StepTimer
 
 
-def train_and_time(trainer):
-    """Runs `trainer.train()` (its `max_steps` steps) and returns each step's seconds."""
-    timer = _step_timer_class()()
+def train_and_time(trainer, synchronize=False):
+    """Runs `trainer.train()` (its `max_steps` steps) and returns each step's seconds (`synchronize`: each step's
+    CUDA work included, see StepTimer)."""
+    timer = _step_timer_class()(synchronize)
     trainer.add_callback(timer)
     try:
         trainer.train()
@@ -385,13 +409,15 @@ def summarize(seconds):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def run_worker(script, job, timeout=None):
+def run_worker(script, job, timeout=None, launcher=(), env=None):
     """Runs `python script --worker JOB` in a fresh process and returns the dict it reports. A failure (an error, a
     crash, the kernel's OOM killer) comes back as `{"error": ...}` instead of raising, so one configuration that does
-    not fit does not end the whole grid."""
-    command = [sys.executable, script, "--worker", json.dumps(job)]
+    not fit does not end the whole grid. `launcher`: arguments between the interpreter and the script, e.g.
+    `["-m", "accelerate.commands.launch", "--config_file", PATH]`; `env`: the process's environment (default:
+    this one's)."""
+    command = [sys.executable, *launcher, script, "--worker", json.dumps(job)]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     for line in reversed(proc.stdout.splitlines()):

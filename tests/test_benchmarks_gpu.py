@@ -1,0 +1,84 @@
+"""`benchmarks/bench_gpu.py --quick` on CPU: the GPU benchmark's every in-process path (the trainers' grid, the
+profile, generation, the report and its files) runs and reports finite step times, so that the script is ready when a
+GPU is lent. Its FLOP floor is checked against the model's own parameter count and by hand."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
+TRAINERS = ("tv", "raw", "distill", "tv-nonorm")
+
+
+def _run(tmp_path, *args, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, SCRIPT, "--quick", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    process = subprocess.run(command + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+    assert process.returncode == 0, process.stderr[-4000:]
+    with open(tmp_path / "quick" / "bench_gpu.json") as f:
+        return process.stdout, json.load(f)
+
+
+@pytest.mark.long  # 30 to 40 s on the 2-core CPU
+def test_quick_run_times_every_trainer_and_writes_its_report(tmp_path):
+    stdout, results = _run(tmp_path, "--generation", "--profile")
+    assert "## Estimated time" in stdout and "## Targets" in stdout
+    table = stdout.split("## Loss phase", 1)[1].split("## Targets", 1)[0]
+    for name in TRAINERS:
+        assert f"| {name} |" in table, name
+    assert len(results["results"]) == 2  # the two completion lengths of --quick
+    for point in results["results"]:
+        assert set(point["runs"]) == set(TRAINERS)
+        for name, run in point["runs"].items():
+            assert "error" not in run, (name, run)
+            timed = run["seconds"][1:]
+            assert len(timed) == 2 and all(math.isfinite(s) and s > 0 for s in timed), (name, run)
+    extras = results["extras"]
+    assert extras["profile"]["step_seconds"] > 0 and extras["profile"]["kernel_seconds_total"] > 0
+    assert [g["batch"] for g in extras["generation"]] == [1, 2] and all(g["seconds"] > 0 for g in extras["generation"])
+    assert (tmp_path / "quick" / "bench_gpu.md").read_text().startswith("## Machine")
+    assert (tmp_path / "quick" / "bench_gpu_profile.txt").exists()
+    # On CPU there is no peak to divide by: MFU and the memory target are reported as not measured, not invented.
+    assert "MFU of the tv loss phase = n/a" in stdout and "peak GPU memory tv / distill = - " in stdout
+
+
+def test_floor_flops_of_the_paper_pair():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_gpu
+    finally:
+        sys.path.pop(0)
+    arch = bench_gpu.PAPER_PAIR
+    # DeepSeek-R1-Distill-Qwen-1.5B: 1.78B parameters = blocks' matmuls + embedding + untied head + norms and biases.
+    n = bench_gpu.block_matmul_params(arch)
+    assert n == 28 * (2 * 1536**2 + 2 * 1536 * 256 + 3 * 1536 * 8960) == 1_310_195_712
+    assert 1.77e9 < n + 2 * 151936 * 1536 < 1.78e9
+    flops = bench_gpu.floor_flops(arch, batch=1, prompt=256, completion=8192)
+    seq = 256 + 8192
+    forward = 2 * n * seq + 2 * 28 * 1536 * seq * (seq + 1) + 2 * 1536 * 151936 * 8192
+    assert flops["teacher"] == forward and flops["student"] == 3 * forward and flops["total"] == 4 * forward
+    assert 120e12 < flops["total"] < 130e12  # about 126 TFLOP per 8,192-token step
+    assert bench_gpu.bf16_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert bench_gpu.bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench_gpu.bf16_peak_tflops("NVIDIA H200") == 989.4
+    assert bench_gpu.bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert bench_gpu.bf16_peak_tflops("Some GPU") is None and bench_gpu.bf16_peak_tflops("Some GPU", 100.0) == 100.0
+
+
+@pytest.mark.long
+def test_quick_zero3_path_runs_on_the_cpu_stand_in(tmp_path):
+    """The --zero3 path (accelerate launch with the recipe's zero3.yaml, one process), on DeepSpeed's CPU accelerator:
+    the launch, the worker and the report line, not GPU behaviour. DeepSpeed builds its shm op once (about a minute)."""
+    pytest.importorskip("deepspeed")
+    stdout, results = _run(tmp_path, "--zero3", "--trainers", "tv", "--completion", "32", timeout=600)
+    zero3 = results["extras"]["zero3"]
+    assert "error" not in zero3, zero3
+    assert zero3["distributed_type"] == "DistributedType.DEEPSPEED" and zero3["zero_stage"] == 3
+    assert zero3["num_processes"] == 1 and all(math.isfinite(s) for s in zero3["seconds"])
+    assert "### Single-GPU ZeRO-3" in stdout
