@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import warnings
 
 import torch
@@ -108,3 +109,86 @@ def load_rollout_state(checkpoint, process_index, layout, steps_per_rollout, dev
             "Resume with the settings it was saved with, or from a checkpoint at a rollout boundary."
         )
     return state
+
+
+class RolloutCheckpointMixin:
+    """
+    How a [`TVOPDTrainer`] run checkpoints and resumes: from complete checkpoints only, and exactly inside a rollout
+    batch.
+
+    With steps_per_generation or num_iterations > 1, a checkpoint may fall between two optimizer steps that share one
+    rollout batch. It then carries the rest of that batch and the batch's accumulators (the trainer's `_step`,
+    `_buffered_inputs`, `rollout_scales`, `_rollout_tv` and `_rollout_grad_norm_finite`), so that a resumed run takes
+    the same steps on the same tokens and updates the scheduler at the same steps as an uninterrupted one.
+    """
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """As [`~transformers.Trainer.train`], except that `resume_from_checkpoint=True` resumes from the last
+        *complete* checkpoint (warning about newer ones a killed process left half-written), and that a given
+        checkpoint is checked for completeness before anything loads from it."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint-N in {self.args.output_dir} to resume from.")
+        elif isinstance(resume_from_checkpoint, str):
+            missing = missing_parts(resume_from_checkpoint)
+            if missing:
+                raise ValueError(
+                    f"Cannot resume from {resume_from_checkpoint}: it lacks {', '.join(missing)}. Resume with "
+                    "`resume_from_checkpoint=True` (`--resume_from_checkpoint last`) to use the last complete one."
+                )
+        if resume_from_checkpoint is not None:
+            self._load_rollout_state(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _rollout_layout(self):
+        args = self.args
+        return {
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "steps_per_generation": args.steps_per_generation,
+            "num_iterations": args.num_iterations,
+            "num_processes": self.accelerator.num_processes,
+        }
+
+    def _save_rng_state(self, output_dir):
+        # Each process saves its RNG state here, before transformers writes `trainer_state.json`: a checkpoint whose
+        # trainer state exists has its rollout states too. At a rollout boundary the next step generates anew.
+        super()._save_rng_state(output_dir)
+        if self._step % self._micro_steps_per_rollout:
+            state = {
+                "layout": self._rollout_layout(),
+                "step": self._step,
+                "buffered_inputs": self._buffered_inputs,
+                "scales": self.rollout_scales,
+                "tv": self._rollout_tv,
+                "grad_norm_finite": self._rollout_grad_norm_finite,
+            }
+            save_rollout_state(output_dir, self.accelerator.process_index, state)
+
+    def _load_rollout_state(self, checkpoint):
+        steps_per_rollout = self.args.steps_per_generation * self.args.num_iterations
+        state = load_rollout_state(
+            checkpoint,
+            self.accelerator.process_index,
+            self._rollout_layout(),
+            steps_per_rollout,
+            self.accelerator.device,
+        )
+        if state is None:
+            self._step, self._buffered_inputs = 0, None
+            return
+        self._step = state["step"]
+        self._buffered_inputs = state["buffered_inputs"]
+        self.rollout_scales = state["scales"]
+        self._rollout_tv = state["tv"]
+        self._rollout_grad_norm_finite = state["grad_norm_finite"]
+
+    def _save_checkpoint(self, model, trial):
+        # TRL writes the run's card before each checkpoint; a copy inside the checkpoint describes the run up to that
+        # step, so `tvopd-trl push` can publish any checkpoint with its own card.
+        super()._save_checkpoint(model, trial)
+        card = os.path.join(self.args.output_dir, "README.md")
+        checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.is_world_process_zero() and os.path.isfile(card) and os.path.isdir(checkpoint):
+            shutil.copy(card, checkpoint)

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
+from trl.models import prepare_deepspeed, prepare_fsdp
+from trl.trainer import add_fused_lm_head
+from trl.trainer.utils import create_model_from_path
 
 
 TEACHER_ID_COLUMN = "teacher_id"  # the column TRL's asynchronous distillation trainer routes by
@@ -104,3 +108,36 @@ def teacher_index(rows, names, device) -> torch.Tensor:
         raise ValueError(
             f"A prompt names teacher {found} in `{TEACHER_ID_COLUMN}`; the teachers are {names}."
         ) from None
+
+
+def prepare_teacher(trainer, teacher: str | PreTrainedModel, placed: bool = False):
+    """A local teacher of `trainer`, ready to score: a path or Hub id is loaded and a model placed as TRL's
+    `DistillationTrainer` does its one teacher (unless `placed`: that one), then sharded under FSDP, put in eval mode
+    and given the fused float32 LM head."""
+    args, accelerator = trainer.args, trainer.accelerator
+    if not placed:
+        if isinstance(teacher, str):
+            kwargs = dict(args.teacher_model_init_kwargs or {})
+            dtype = kwargs.get("dtype")
+            kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
+            if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+                kwargs["device_map"] = None  # as TRL: "auto" fails under distributed training
+            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            teacher = create_model_from_path(teacher, **kwargs)
+        student_vocab = trainer.model.config.get_text_config().vocab_size
+        if teacher.config.get_text_config().vocab_size != student_vocab:
+            raise ValueError(
+                f"A teacher has vocab_size {teacher.config.get_text_config().vocab_size} and the student "
+                f"{student_vocab}: every teacher shares the student's vocabulary."
+            )
+        if trainer.is_deepspeed_enabled:
+            teacher = prepare_deepspeed(teacher, accelerator)
+        else:
+            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+    if trainer.is_fsdp_enabled:
+        # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
+        teacher = prepare_fsdp(teacher, accelerator)
+    # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
+    teacher.eval()
+    add_fused_lm_head(accelerator.unwrap_model(teacher), temperature=trainer.temperature, cast_lm_head_to_fp32=True)
+    return teacher

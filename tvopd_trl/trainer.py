@@ -14,7 +14,6 @@
 
 import math
 import os
-import shutil
 import textwrap
 
 import torch
@@ -22,11 +21,9 @@ from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
-from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
-    create_model_from_path,
     pad,
     repeat_iterable_dataset,
     shuffle_sequence_dict,
@@ -35,13 +32,13 @@ from trl.trainer.utils import (
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
-from .checkpoints import last_complete_checkpoint, load_rollout_state, missing_parts, save_rollout_state
+from .checkpoints import RolloutCheckpointMixin
 from .checks import check_inputs, check_loaded_trainer, check_paths, connect_server, load_tokenizer
 from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .scoring import CompletionScoringMixin
-from .teachers import SINGLE_TEACHER, Teacher, teacher_index
+from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -60,7 +57,7 @@ class _OptimizerStepHooks(TrainerCallback):
         self.trainer._finish_optimizer_step()
 
 
-class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
+class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationTrainer):
     """
     Trainer for TV-Regulated On-Policy Distillation (TV-OPD) and the sampled-token OPD baselines it is compared with.
 
@@ -168,7 +165,11 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         self.teachers = {}  # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
         for index, (name, source) in enumerate(local_teachers.items()):
-            self._add_teacher(name, self.teacher_model if index == 0 else source)
+            # The base trainer loaded and placed the first one
+            model = prepare_teacher(self, self.teacher_model if index == 0 else source, placed=index == 0)
+            self.teachers[name] = Teacher(name, model=model)
+        if local_teachers:
+            self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=client) for name, client in clients.items()})
         self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
         check_loaded_trainer(self, teacher_processing_class)
@@ -215,110 +216,6 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         self._step_statistics = StepStatistics()
         self._step_grad_norm = None
 
-    def _add_teacher(self, name, teacher):
-        """Registers a local teacher: a model or path that is loaded and placed as the base trainer does its one (the
-        base trainer's own teacher, `self.teacher_model`, arrives placed), sharded under FSDP, in eval mode, with the
-        fused float32 head."""
-        if teacher is not self.teacher_model:
-            if isinstance(teacher, str):
-                kwargs = dict(self.args.teacher_model_init_kwargs or {})
-                dtype = kwargs.get("dtype")
-                kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
-                if self.args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
-                    kwargs["device_map"] = None  # as the base trainer: "auto" fails under distributed training
-                kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-                teacher = create_model_from_path(teacher, **kwargs)
-            student_vocab = self.model.config.get_text_config().vocab_size
-            if teacher.config.get_text_config().vocab_size != student_vocab:
-                raise ValueError(
-                    f"Teacher {name!r} has vocab_size {teacher.config.get_text_config().vocab_size}, the student "
-                    f"{student_vocab}: every teacher shares the student's vocabulary."
-                )
-            if self.is_deepspeed_enabled:
-                teacher = prepare_deepspeed(teacher, self.accelerator)
-            else:
-                teacher = self.accelerator.prepare_model(teacher, evaluation_mode=True)
-        if self.is_fsdp_enabled:
-            # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
-            teacher = prepare_fsdp(teacher, self.accelerator)
-        # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
-        teacher.eval()
-        add_fused_lm_head(
-            self.accelerator.unwrap_model(teacher), temperature=self.temperature, cast_lm_head_to_fp32=True
-        )
-        if not self.teachers:
-            self.teacher_model = teacher  # the base trainer's attribute names the first local teacher
-        self.teachers[name] = Teacher(name, model=teacher)
-
-    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """As [`~transformers.Trainer.train`], except that `resume_from_checkpoint=True` resumes from the last
-        *complete* checkpoint (warning about newer ones a killed process left half-written), and that a given
-        checkpoint is checked for completeness before anything loads from it."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint-N in {self.args.output_dir} to resume from.")
-        elif isinstance(resume_from_checkpoint, str):
-            missing = missing_parts(resume_from_checkpoint)
-            if missing:
-                raise ValueError(
-                    f"Cannot resume from {resume_from_checkpoint}: it lacks {', '.join(missing)}. Resume with "
-                    "`resume_from_checkpoint=True` (`--resume_from_checkpoint last`) to use the last complete one."
-                )
-        if resume_from_checkpoint is not None:
-            self._load_rollout_state(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # Checkpoints inside a rollout batch: with steps_per_generation or num_iterations > 1, a checkpoint may fall
-    # between two optimizer steps that share one rollout batch. It then carries the rest of that batch and the batch's
-    # accumulators, so that a resumed run takes the same steps on the same tokens and updates the scheduler at the same
-    # steps as an uninterrupted one.
-    # ----------------------------------------------------------------------------------------------------------------
-
-    def _rollout_layout(self):
-        args = self.args
-        return {
-            "per_device_train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "steps_per_generation": args.steps_per_generation,
-            "num_iterations": args.num_iterations,
-            "num_processes": self.accelerator.num_processes,
-        }
-
-    def _save_rng_state(self, output_dir):
-        # Each process saves its RNG state here, before transformers writes `trainer_state.json`: a checkpoint whose
-        # trainer state exists has its rollout states too. At a rollout boundary the next step generates anew.
-        super()._save_rng_state(output_dir)
-        if self._step % self._micro_steps_per_rollout:
-            state = {
-                "layout": self._rollout_layout(),
-                "step": self._step,
-                "buffered_inputs": self._buffered_inputs,
-                "scales": self.rollout_scales,
-                "tv": self._rollout_tv,
-                "grad_norm_finite": self._rollout_grad_norm_finite,
-            }
-            save_rollout_state(output_dir, self.accelerator.process_index, state)
-
-    def _load_rollout_state(self, checkpoint):
-        steps_per_rollout = self.args.steps_per_generation * self.args.num_iterations
-        state = load_rollout_state(
-            checkpoint,
-            self.accelerator.process_index,
-            self._rollout_layout(),
-            steps_per_rollout,
-            self.accelerator.device,
-        )
-        if state is None:
-            self._step, self._buffered_inputs = 0, None
-            return
-        self._step = state["step"]
-        self._buffered_inputs = state["buffered_inputs"]
-        self.rollout_scales = state["scales"]
-        self._rollout_tv = state["tv"]
-        self._rollout_grad_norm_finite = state["grad_norm_finite"]
-
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card, with a section on the TV-OPD run: mode and hyperparameters, teacher, dataset, and the
         last `tv/scale`, `tv/estimate` and evaluation scores. `dataset_name` defaults to `self.dataset_name`."""
@@ -337,15 +234,6 @@ class TVOPDTrainer(CompletionScoringMixin, DistillationTrainer):
         teacher = sources[SINGLE_TEACHER] if len(sources) == 1 and SINGLE_TEACHER in sources else sources
         section = card_section(self.args, self.state.log_history, teacher=teacher, dataset=dataset_name)
         add_section(os.path.join(self.args.output_dir, "README.md"), section)
-
-    def _save_checkpoint(self, model, trial):
-        # TRL writes the run's card before each checkpoint; a copy inside the checkpoint describes the run up to that
-        # step, so `tvopd-trl push` can publish any checkpoint with its own card.
-        super()._save_checkpoint(model, trial)
-        card = os.path.join(self.args.output_dir, "README.md")
-        checkpoint = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        if self.is_world_process_zero() and os.path.isfile(card) and os.path.isdir(checkpoint):
-            shutil.copy(card, checkpoint)
 
     @property
     def _tv_schedule(self):

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-import tvopd_trl.trainer
+import tvopd_trl.teachers
 from tvopd_trl import tiny
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
 
@@ -49,8 +49,8 @@ def _sharding(model):
 
 
 def _recording_prepare_fsdp(record):
-    """Wraps the `prepare_fsdp` that `TVOPDTrainer.__init__` calls, to record the teacher as the base trainer left it."""
-    prepare_fsdp = tvopd_trl.trainer.prepare_fsdp
+    """Wraps the `prepare_fsdp` that `tvopd_trl.teachers.prepare_teacher` calls, to record the teacher as the base trainer left it."""
+    prepare_fsdp = tvopd_trl.teachers.prepare_fsdp
 
     def prepare(model, accelerator):
         record.append(_sharding(model))
@@ -97,7 +97,7 @@ def main(output_dir):
         tv_ema_decay=0.0,  # c_k follows each step's estimate, so that the scale moves within 3 steps
     )
     before_prepare_fsdp = []
-    tvopd_trl.trainer.prepare_fsdp = _recording_prepare_fsdp(before_prepare_fsdp)
+    tvopd_trl.teachers.prepare_fsdp = _recording_prepare_fsdp(before_prepare_fsdp)
     trainer = tiny_pair_trainer(args, prompts=32)
     tokenizer = trainer.processing_class
     accelerator = trainer.accelerator
