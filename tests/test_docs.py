@@ -163,6 +163,9 @@ def _logged_metrics():
     # The trainer logs its own metrics, those of `metrics.StepStatistics` and those of its callbacks
     source = "".join(inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module))
     ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', source))
+    # Per teacher: `_scale_metric("tv/scale", index)` logs `tv/<teacher>/scale`; StepStatistics `kl/<teacher>/...`
+    ours |= {f"tv/<teacher>/{key}" for key in re.findall(r'_scale_metric\("tv/(\w+)"', source)}
+    ours |= {f"{group}/<teacher>/{key}" for group, key in re.findall(r'f"(kl|tv)/\{name\}/(\w+)"', source)}
     assert 'f"advantage/{name}"' in source
     ours |= {f"advantage/{name}" for name in advantage_dispersion(torch.zeros(0))}
     from trl.trainer import distillation_trainer

@@ -1,6 +1,7 @@
 """Several teachers: routing by `teacher_id`, each row scored once by its own teacher, one TV scale per teacher."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,12 @@ def test_each_teacher_has_its_own_scale_fed_by_its_own_rows(make_trainer, two_te
     assert wide_scheduler.reference == pytest.approx(wide[1]) and own_scheduler.reference == pytest.approx(own[0])
     assert wide_scheduler.ema == pytest.approx(0.5 * wide[1] + 0.5 * wide[3])
     assert logs[2]["tv/self/scale"] == pytest.approx(1.0)  # EMA = reference after one update
+    # Each teacher's reverse-KL estimate is over its own rows: about 0 for "self" before the first update
+    assert (
+        logs[0]["kl/self/reverse_estimate"] == pytest.approx(0.0, abs=1e-5)
+        and abs(logs[1]["kl/wide/reverse_estimate"]) > 1e-3
+    )
+    assert logs[0]["kl/reverse_estimate"] == pytest.approx(logs[0]["kl/self/reverse_estimate"])
     # The pooled estimate is every row's; there is no pooled scale
     assert logs[1]["tv/estimate"] == pytest.approx(wide[1]) and "tv/scale" not in logs[0]
 
@@ -130,6 +137,16 @@ def test_a_rows_advantage_uses_its_teachers_scale(make_trainer, two_teachers, tm
         original(trainer, trainer.model, inputs)
     expected = torch.tensor([0.25, 0.5])[inputs["teacher_index"]].unsqueeze(1)
     torch.testing.assert_close(seen["scale"], expected)
+
+
+def test_every_logged_per_teacher_metric_is_documented(make_trainer, two_teachers, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=1), teacher_model=two_teachers, train_dataset=routed(8))
+    trainer.train()
+    table = (Path(__file__).parent.parent / "docs" / "method.md").read_text().split("## 5. Metrics")[1]
+    per_teacher = {key for key in step_logs(trainer)[0] if "/wide/" in key or "/self/" in key}
+    assert len(per_teacher) == 10  # tv/<teacher>/{estimate,ema,reference,scale}, kl/<teacher>/reverse_estimate
+    for key in per_teacher:
+        assert f"`{key.replace('/wide/', '/<teacher>/').replace('/self/', '/<teacher>/')}`" in table, key
 
 
 def test_pooled_scale_over_several_teachers(make_trainer, two_teachers, tmp_path):

@@ -83,9 +83,22 @@ class StepStatistics:
         self.extremes = None
         self.abs_delta = []  # of every active token, for the dispersion statistics
 
-    def add(self, *, active, delta, ratio, advantages, loss_mask, per_token_loss, entropy, epsilon, log_gap=None):
+    def add(
+        self,
+        *,
+        active,
+        delta,
+        ratio,
+        advantages,
+        loss_mask,
+        per_token_loss,
+        entropy,
+        epsilon,
+        log_gap=None,
+        teachers=None,
+    ):
         """Adds one micro-batch: `(B, T)` tensors, `epsilon` = (low, high) PPO clip ranges, `log_gap` = log pi_old -
-        log pi_vllm under vLLM."""
+        log pi_vllm under vLLM, `teachers` = {name: `(B,)` mask of its rows} with several teachers."""
         finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
         sums = {
             "tokens": active.sum(),
@@ -97,6 +110,10 @@ class StepStatistics:
             "loss": per_token_loss.detach().sum(),
             "entropy": torch.where(active, entropy, 0.0).sum(),
         }
+        for name, rows in (teachers or {}).items():
+            own = active & rows.unsqueeze(1)
+            sums[f"tokens/{name}"] = own.sum()
+            sums[f"negative_delta/{name}"] = torch.where(own, -finite_delta, 0.0).sum()
         if log_gap is not None:
             sums["log_gap"] = log_gap.abs().sum()
             sums["sampling_ratio"] = torch.where(active, log_gap.exp(), 0.0).sum()
@@ -132,6 +149,11 @@ class StepStatistics:
         metrics["tv/nonfinite_tokens"].append(sums["nonfinite"])
         metrics["policy_loss"].append(ratio(sums["loss"]))
         metrics["entropy"].append(ratio(sums["entropy"]))
+        for key in sums:
+            if key.startswith("tokens/"):
+                name, own = key.removeprefix("tokens/"), sums[key]
+                kl = sums[f"negative_delta/{name}"] / own if own > 0 else float("nan")
+                metrics[f"kl/{name}/reverse_estimate"].append(kl)
         if "log_gap" in sums:
             # TRL GRPO's names for the sampler / trainer mismatch; the ratio is pi_old / pi_vllm, before its cap.
             metrics["sampling/sampling_logp_difference/mean"].append(ratio(sums["log_gap"]))

@@ -46,6 +46,10 @@ from .tv import tv_estimate
 logger = logging.get_logger(__name__)
 
 
+def nan_if_none(value):
+    return float("nan") if value is None else value
+
+
 class _OptimizerStepHooks(TrainerCallback):
     """Runs the trainer's post-update bookkeeping right after `optimizer.step()`, before any `on_step_end`, logging or
     checkpoint, so that all of them see the scheduler state of the finished step."""
@@ -506,6 +510,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         loss = per_token_loss.sum() / normalizer
 
         with torch.no_grad():
+            routing = inputs.get("teacher_index")
             statistics = self._step_statistics if in_rollout else StepStatistics()
             statistics.add(
                 active=active,
@@ -517,6 +522,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
                 entropy=entropy,
                 epsilon=(args.epsilon, args.epsilon_high),
                 log_gap=log_gap if sampled_by_vllm else None,
+                teachers=None if routing is None else {name: routing == k for k, name in enumerate(self.teachers)},
             )
             # Under vLLM the tokens were drawn by the sampler: X_t weighted by the loss's truncated ratio pi_old /
             # pi_vllm estimates the TV under pi_old again (docs/method.md).
@@ -557,22 +563,21 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
-        for prefix, scale in zip(self._scale_prefixes, self.rollout_scales, strict=True):
-            metrics[f"{prefix}scale"].append(scale)
+        for index, scale in enumerate(self.rollout_scales):
+            metrics[self._scale_metric("tv/scale", index)].append(scale)
 
         self._step_statistics.log(self.accelerator, metrics)
         self._step_statistics = StepStatistics()
 
         if self._step % self._micro_steps_per_rollout == 0:
             self._finish_rollout()
-        for prefix, scheduler in zip(self._scale_prefixes, self._tv_schedulers, strict=True):
-            metrics[f"{prefix}ema"].append(float("nan") if scheduler.ema is None else scheduler.ema)
-            metrics[f"{prefix}reference"].append(float("nan") if scheduler.reference is None else scheduler.reference)
+        for index, scheduler in enumerate(self._tv_schedulers):
+            metrics[self._scale_metric("tv/ema", index)].append(nan_if_none(scheduler.ema))
+            metrics[self._scale_metric("tv/reference", index)].append(nan_if_none(scheduler.reference))
 
-    @property
-    def _scale_prefixes(self):
-        # `tv/scale`, ... for the one pooled scale; `tv/<teacher>/scale`, ... for each teacher's
-        return [f"tv/{name}/" for name in self.teachers] if self.per_teacher_scale else ["tv/"]
+    def _scale_metric(self, metric, index):
+        # "tv/scale" of the one pooled scale, or "tv/<teacher>/scale" of each teacher's
+        return metric.replace("tv/", f"tv/{list(self.teachers)[index]}/") if self.per_teacher_scale else metric
 
     def _finish_rollout(self):
         metrics = self._metrics["train"]
@@ -593,6 +598,6 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         if self._needs_exact_divergences:
             metrics["tv/exact"].append(exact / n if n > 0 else float("nan"))
         if self.per_teacher_scale:
-            for prefix, (u, n, _) in zip(self._scale_prefixes, totals.tolist(), strict=True):
-                metrics[f"{prefix}estimate"].append(u / n if n > 0 else float("nan"))
+            for index, (u, n, _) in enumerate(totals.tolist()):
+                metrics[self._scale_metric("tv/estimate", index)].append(u / n if n > 0 else float("nan"))
         self._rollout_tv, self._rollout_grad_norm_finite = torch.zeros_like(self._rollout_tv), True
