@@ -59,12 +59,12 @@ def _launch_env():
     return env
 
 
-def launch(config, script, output_dir, timeout=300):
+def launch(config, script, output_dir, *script_args, timeout=300):
     """Runs a script of tests/distributed_scripts with `accelerate launch` on one of our accelerate configs, and returns
     each rank's `rank-<i>.json` (with the tensors of `rank-<i>.pt`, when the script saved any, under "tensors")."""
     output_dir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / config)]
-    command += ["--main_process_port", str(_free_port()), str(SCRIPTS / script), str(output_dir)]
+    command += ["--main_process_port", str(_free_port()), str(SCRIPTS / script), str(output_dir), *script_args]
     # A session of its own, so that a timeout can end the launcher and the ranks it started together.
     process = subprocess.Popen(
         command,
@@ -389,3 +389,33 @@ def test_train_accelerate_config_flag_overrides_the_recipes(monkeypatch, tmp_pat
     assert cli.main(argv) == 0
     (args,) = launched
     assert args.config_file == str(config) and "--accelerate_config" not in args.training_script_args
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Two teachers over 2 processes whose rows go to different teachers (DDP and ZeRO-3)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["ddp", "zero3"])
+def multi_teacher_run(request, tmp_path_factory):
+    config = {"ddp": "ddp_cpu.yaml", "zero3": "zero3_cpu.yaml"}[request.param]
+    return launch(config, "multi_teacher.py", tmp_path_factory.mktemp(f"multi_teacher_{request.param}"), request.param)
+
+
+def test_two_teachers_train_when_the_ranks_route_their_rows_differently(multi_teacher_run):
+    first, second = multi_teacher_run
+    # The setup: at step 1 one rank holds only "teacher" rows and the other only "self" rows; under ZeRO-3 each still
+    # ran both teachers' forwards (the run would hang otherwise)
+    assert sorted([first["rows"][0], second["rows"][0]]) == [[0, 4], [4, 0]]
+    assert [entry["step"] for entry in first["logs"]] == [1, 2, 3, 4]
+    for a, b in zip(first["logs"], second["logs"], strict=True):
+        assert math.isfinite(a["loss"]) and a["update/norm"] > 0, a
+        for key in a:
+            if key.startswith(("tv/", "kl/")):  # reduced over processes, per teacher too
+                assert a[key] == b[key], (a["step"], key)
+    # Each teacher's scheduler pools its rows over both ranks: "self" had rows at steps 1 and 3 (the second epoch), and
+    # was frozen at steps 2 and 4; "teacher" had rows at every step
+    assert first["schedulers"] == second["schedulers"]
+    teacher, own = first["schedulers"]
+    assert teacher["num_updates"] == 4 and own["num_updates"] == 2
+    assert [entry["tv/self/estimate"] is None for entry in first["logs"]] == [False, True, False, True]
