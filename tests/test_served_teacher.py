@@ -209,3 +209,24 @@ def test_main_job_with_a_served_teacher(teacher_server, tmp_path):
     assert summary["teacher"] == teacher_server and summary["steps"] == 3
     assert "teacher_accuracy" not in summary and summary["gap_closed"] is None  # no local teacher to evaluate
     assert len(_VLLMStandIn.requests) == 3
+
+
+def test_a_served_and_a_local_teacher_each_score_their_own_rows(make_trainer, teacher_server, model_dirs, tmp_path):
+    from tvopd_trl.tiny import prompt_dataset
+
+    dataset = prompt_dataset("opd", 8).add_column("teacher_id", ["served", "local"] * 4)
+    args = tiny_config(tmp_path, teacher_model_server_url={"served": teacher_server}, teacher_model_server_timeout=5)
+    trainer = make_trainer(args, teacher_model={"local": model_dirs["student"]}, train_dataset=dataset)
+    assert [(name, t.served) for name, t in trainer.teachers.items()] == [("local", False), ("served", True)]
+    batch = trainer.score_completions(trainer.generate_completions([dataset[i] for i in range(8)]))
+    # The server saw only its own rows, in one request
+    assert len(_VLLMStandIn.requests) == 1 and len(_VLLMStandIn.requests[0]["prompt"]) == 4
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].size(1)
+    served = batch["teacher_index"] == 1  # "local" comes first: local teachers, then served ones
+    expected = trainer._sampled_token_logps(trainer.teachers["local"].model, ids, mask, keep)
+    torch.testing.assert_close(batch["teacher_logps"][~served], expected[~served], rtol=0, atol=0)
+    wide = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"])  # the model behind the stand-in
+    expected = trainer._sampled_token_logps(wide, ids, mask, keep)
+    torch.testing.assert_close(batch["teacher_logps"][served], expected[served], rtol=1e-5, atol=1e-5)

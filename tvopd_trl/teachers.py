@@ -14,7 +14,8 @@
 """Several teachers by name, each prompt routed to its own by the dataset's `teacher_id` column.
 
 A run's teachers are `{name: source}`: a local model, path or Hub id from `teacher_model`, or a server URL from
-`teacher_model_server_url`, either of which may be a mapping. A single teacher, given as today, is named
+`teacher_model_server_url`, either of which may be a mapping. The local teachers come first, then the served ones, in
+the order given; a row's `teacher_index` counts in that order. A single teacher, given as today, is named
 `SINGLE_TEACHER` and needs no column.
 """
 
