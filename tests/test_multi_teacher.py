@@ -84,6 +84,16 @@ def test_a_name_both_local_and_served_is_refused(tmp_path):
         TVOPDTrainer(model="/missing", teacher_model={"wide": "T"}, args=args, train_dataset=routed(8))
 
 
+def test_teacher_tokenizers_are_given_by_name(make_trainer, two_teachers, tokenizer, tmp_path):
+    kwargs = dict(teacher_model=two_teachers, train_dataset=routed(8))
+    with pytest.raises(ValueError, match="a mapping"):
+        make_trainer(tiny_config(tmp_path), teacher_processing_class=tokenizer, **kwargs)
+    with pytest.raises(ValueError, match=r"unknown teachers \['other'\]"):
+        make_trainer(tiny_config(tmp_path), teacher_processing_class={"other": tokenizer}, **kwargs)
+    trainer = make_trainer(tiny_config(tmp_path), teacher_processing_class={"wide": tokenizer}, **kwargs)
+    assert list(trainer.teachers) == ["wide", "self"]
+
+
 def test_learning_rate_target_needs_one_pooled_scale(tmp_path):
     args = tiny_config(tmp_path, tv_scale_target="learning_rate")
     with pytest.raises(ValueError, match="tv_scale_per_teacher=False"):

@@ -166,8 +166,8 @@ def load_tokenizer(source, trust_remote_code):
         return None
 
 
-def check_loaded_trainer(trainer, teacher_processing_class):
-    """What needs the loaded student and teachers (`trainer.teachers`)."""
+def check_loaded_trainer(trainer, teacher_tokenizers):
+    """What needs the loaded student and teachers (`trainer.teachers`; `teacher_tokenizers`: name -> tokenizer or None)."""
     args = trainer.args
     if trainer._is_vlm:  # loaded by the base class when `processing_class` was None
         raise ValueError(
@@ -184,8 +184,8 @@ def check_loaded_trainer(trainer, teacher_processing_class):
         None if teacher.served else trainer.accelerator.unwrap_model(teacher.model)
         for teacher in trainer.teachers.values()
     ]
-    for teacher in teachers:
-        _check_teacher(trainer, student, teacher, teacher_processing_class if len(teachers) == 1 else None)
+    for name, teacher in zip(trainer.teachers, teachers, strict=True):
+        _check_teacher(trainer, student, teacher, teacher_tokenizers[name])
     _warn_on_off_policy_sampling(args)
     if args.teacher_model_server_url is not None and args.temperature != 1.0:
         warnings.warn(

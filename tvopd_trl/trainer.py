@@ -38,7 +38,7 @@ from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .scoring import CompletionScoringMixin
-from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index
+from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -92,10 +92,13 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         quantization_config, peft_config, tools:
             As in [`~trl.DistillationTrainer`]. `args` must be a [`TVOPDConfig`]. Vision-language processors are
             refused: the method is text-only.
-        teacher_processing_class ([`~transformers.PreTrainedTokenizerBase`], *optional*):
-            The teacher's tokenizer, compared with the student's at construction. When `None`, it is loaded from the
-            teacher's local directory if there is one; otherwise only `vocab_size` can be compared (a warning says
-            so).
+        teacher_processing_class ([`~transformers.PreTrainedTokenizerBase`] or `dict`, *optional*):
+            The teacher's tokenizer, compared with the student's at construction (with several teachers, a mapping
+            by name). When `None`, it is loaded from the teacher's local directory if there is one; otherwise only
+            `vocab_size` can be compared (a warning says so).
+
+    Several teachers are a mapping `{name: model or path}` in `teacher_model` (and `{name: URL}` in
+    `args.teacher_model_server_url`), each prompt routed by its `teacher_id` (docs/multi-teacher.md).
 
     With `args.teacher_model_server_url`, the teacher is a vLLM server instead: pass no `teacher_model`, and each
     sampled token's teacher log-probability comes from one prefill request per rollout batch.
@@ -145,14 +148,15 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             for name, url in served_teachers.items()
         }
         check_paths(model, local_teachers)
-        for source in local_teachers.values():
-            tokenizer = teacher_processing_class if len(local_teachers) == 1 else None
+        teacher_tokenizers = teacher_processing_classes(teacher_processing_class, [*local_teachers, *served_teachers])
+        for name, source in local_teachers.items():
+            tokenizer = teacher_tokenizers[name]
             if tokenizer is None and isinstance(source, str):
-                tokenizer = load_tokenizer(source, args.trust_remote_code)
+                tokenizer = teacher_tokenizers[name] = load_tokenizer(source, args.trust_remote_code)
             if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):
                 check_shared_vocabulary(processing_class, tokenizer)  # before any model loads
 
-        # The base trainer loads and places one teacher; `_add_teacher` does the same for the others.
+        # The base trainer loads and places one teacher; `prepare_teacher` does the same for the others.
         super().__init__(
             model=model,
             teacher_model=next(iter(local_teachers.values()), None),
@@ -176,7 +180,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=client) for name, client in clients.items()})
         self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
-        check_loaded_trainer(self, teacher_processing_class)
+        check_loaded_trainer(self, teacher_tokenizers)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
