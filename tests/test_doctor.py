@@ -144,3 +144,14 @@ def test_rollouts_score_the_teacher_once(make_trainer, tmp_path, monkeypatch):
     batch = rollouts(trainer, [trainer.train_dataset[i] for i in range(4)])
     assert sorted(scored) == ["student", "teacher"]  # pi_old and the teacher, once each
     assert batch["teacher_logps"].shape == batch["old_logps"].shape == batch["completion_ids"].shape
+
+
+def test_padded_siblings_pass_the_vocabulary_check_and_short_heads_fail():
+    from tvopd_trl.doctor import check_vocab_sizes
+
+    def config(rows):
+        return SimpleNamespace(get_text_config=lambda: SimpleNamespace(vocab_size=rows))
+
+    sibling = check_vocab_sizes(config(151936), config(152064), tokenizer_size=151665)
+    assert sibling.status == PASS and "padded siblings" in sibling.detail
+    assert check_vocab_sizes(config(151936), config(151000), tokenizer_size=151665).status == FAIL

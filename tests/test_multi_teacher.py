@@ -195,3 +195,68 @@ def test_every_mode_trains_with_two_teachers(mode, make_trainer, two_teachers, t
     assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
     (entry,) = step_logs(trainer)
     assert math.isfinite(entry["loss"]) and 0 <= entry["tv/exact"] <= 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Padded-vocabulary siblings: one tokenizer, output layers of different sizes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def padded_copy(path, tmp_path, name, multiple=64):
+    """The checkpoint at `path` with its output layer padded to a multiple of `multiple` rows (300 -> 320)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(model.config.vocab_size, pad_to_multiple_of=multiple)
+    model.save_pretrained(tmp_path / name)
+    AutoTokenizer.from_pretrained(path).save_pretrained(tmp_path / name)
+    return str(tmp_path / name), model.config.vocab_size
+
+
+def test_a_padded_student_never_samples_a_padded_id(make_trainer, model_dirs, tokenizer, tmp_path):
+    student, rows = padded_copy(model_dirs["student"], tmp_path, "student", multiple=128)
+    assert rows == 384 > len(tokenizer) == 300
+    trainer = make_trainer(tiny_config(tmp_path / "run", max_steps=4, per_device_train_batch_size=16), model=student)
+    sampled = []
+    original = trainer.score_completions
+
+    def record(batch, *args, **kwargs):
+        sampled.append(batch["completion_ids"][batch["completion_mask"].bool()])
+        return original(batch, *args, **kwargs)
+
+    trainer.score_completions = record
+    # Push the padded rows' mass up, so that an unsuppressed sampler would draw them
+    with torch.no_grad():
+        trainer.model.get_output_embeddings().weight[300:] = trainer.model.get_output_embeddings().weight[300:] * 50
+    trainer.train()
+    ids = torch.cat(sampled)
+    assert ids.numel() > 100 and int(ids.max()) < len(tokenizer)
+
+
+def test_a_padded_teacher_scores_up_to_its_padded_mass(make_trainer, model_dirs, tmp_path):
+    teacher, rows = padded_copy(model_dirs["teacher"], tmp_path, "teacher")
+    padded = make_trainer(tiny_config(tmp_path / "padded", max_steps=2), teacher_model=teacher)
+    plain = make_trainer(tiny_config(tmp_path / "plain", max_steps=2))
+    prompts = [padded.train_dataset[i] for i in range(4)]
+    batch = padded.score_completions(padded.generate_completions(prompts))
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    keep = batch["completion_ids"].size(1)
+    unpadded = plain._sampled_token_logps(plain.teacher_model, ids, mask, keep)
+    # The padded head's softmax spends mass m on the padded rows: log p_padded = log p - log(1 / (1 - m)) exactly
+    with torch.no_grad():
+        logits = padded.teacher_model(input_ids=ids, attention_mask=mask).logits[:, -keep - 1 : -1].float()
+    mass = logits.softmax(-1)[..., 300:].sum(-1)
+    active = batch["completion_mask"].bool()
+    assert mass[active].max() > 1e-4  # the padded rows do hold mass
+    torch.testing.assert_close(
+        batch["teacher_logps"][active], (unpadded + torch.log1p(-mass))[active], rtol=0, atol=1e-5
+    )
+    padded.train()
+    assert all(math.isfinite(entry["loss"]) for entry in step_logs(padded))
+
+
+def test_exact_divergences_need_output_layers_of_one_size(make_trainer, model_dirs, tmp_path):
+    teacher, _ = padded_copy(model_dirs["teacher"], tmp_path, "teacher")
+    with pytest.raises(ValueError, match=r"output layers of one size; these have \[300, 320\]"):
+        make_trainer(tiny_config(tmp_path / "run", log_exact_tv=True), teacher_model=teacher)

@@ -201,7 +201,8 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
             stacklevel=3,
         )
     if trainer._needs_exact_divergences:  # the config refuses these with a served teacher
-        for config in [model.config.get_text_config() for model in (student, *teachers) if model is not None]:
+        configs = [model.config.get_text_config() for model in (student, *teachers) if model is not None]
+        for config in configs:
             found = [name for name in LOGIT_POSTPROCESSING_ATTRIBUTES if getattr(config, name, None) is not None]
             if found:
                 raise ValueError(
@@ -209,6 +210,13 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
                     f"distribution, but {config.model_type} post-processes its logits ({', '.join(found)}), which "
                     "the exact divergence does not reproduce. Use another mode, or set log_exact_tv=False."
                 )
+        rows = sorted({config.vocab_size for config in configs})
+        if len(rows) > 1:
+            raise ValueError(
+                f"advantage_mode={args.advantage_mode!r} and log_exact_tv=True compare whole next-token distributions, "
+                f"which needs output layers of one size; these have {rows} rows. Use another mode, or set "
+                "log_exact_tv=False."
+            )
 
 
 def _check_teacher(trainer, student, teacher, teacher_processing_class):

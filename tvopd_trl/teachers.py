@@ -124,30 +124,38 @@ def teacher_index(rows, names, device) -> torch.Tensor:
         ) from None
 
 
-def prepare_teacher(trainer, teacher: str | PreTrainedModel, placed: bool = False):
-    """A local teacher of `trainer`, ready to score: a path or Hub id is loaded and a model placed as TRL's
-    `DistillationTrainer` does its one teacher (unless `placed`: that one), then sharded under FSDP, put in eval mode
-    and given the fused float32 LM head."""
+def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel):
+    """A local teacher of `trainer`, ready to score: a path or Hub id loaded and a model placed as TRL's
+    `DistillationTrainer` does its one teacher, sharded under FSDP, in eval mode, with the fused float32 LM head.
+
+    Unlike TRL, its output layer may have another size than the student's (padded rows of one model family): the
+    tokenizers were compared before, and both heads must cover every token of the tokenizer."""
     args, accelerator = trainer.args, trainer.accelerator
-    if not placed:
-        if isinstance(teacher, str):
-            kwargs = dict(args.teacher_model_init_kwargs or {})
-            dtype = kwargs.get("dtype")
-            kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
-            if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
-                kwargs["device_map"] = None  # as TRL: "auto" fails under distributed training
-            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            teacher = create_model_from_path(teacher, **kwargs)
-        student_vocab = trainer.model.config.get_text_config().vocab_size
-        if teacher.config.get_text_config().vocab_size != student_vocab:
-            raise ValueError(
-                f"A teacher has vocab_size {teacher.config.get_text_config().vocab_size} and the student "
-                f"{student_vocab}: every teacher shares the student's vocabulary."
-            )
-        if trainer.is_deepspeed_enabled:
-            teacher = prepare_deepspeed(teacher, accelerator)
-        else:
-            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+    if isinstance(teacher, str):
+        kwargs = dict(args.teacher_model_init_kwargs or {})
+        dtype = kwargs.get("dtype")
+        kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
+        if args.teacher_model_revision is not None:
+            kwargs.setdefault("revision", args.teacher_model_revision)
+        if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+            kwargs["device_map"] = None  # as TRL: "auto" fails under distributed training
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        teacher = create_model_from_path(teacher, **kwargs)
+    elif args.teacher_model_init_kwargs is not None:
+        raise ValueError(
+            "You passed teacher_model_init_kwargs to the config, but the teacher is already instantiated: load it "
+            "with those arguments yourself, or pass its path."
+        )
+    rows, tokens = teacher.config.get_text_config().vocab_size, len(trainer._tokenizer)
+    if rows < tokens:
+        raise ValueError(
+            f"Teacher {name!r} has {rows} output rows, fewer than the tokenizer's {tokens} tokens: it cannot score "
+            "every token the student may sample. Use a checkpoint whose output layer covers the tokenizer."
+        )
+    if trainer.is_deepspeed_enabled:
+        teacher = prepare_deepspeed(teacher, accelerator)
+    else:
+        teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
     if trainer.is_fsdp_enabled:
         # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
         teacher = prepare_fsdp(teacher, accelerator)

@@ -46,3 +46,24 @@ def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTraine
             "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Distill from a "
             "teacher of the same model family, or use TRL's GOLD trainer for cross-tokenizer distillation."
         )
+
+
+def restrict_sampling_to_tokenizer(trainer) -> None:
+    """
+    Keeps `trainer`'s student from sampling an id its tokenizer does not define.
+
+    Models of one family often pad their output layer beyond the tokenizer (Qwen2.5-7B has 152,064 rows, Qwen2.5-1.5B
+    151,936, one tokenizer of 151,665 tokens): teacher and student then share every real token, and sampled-token OPD
+    is well defined, as long as no padded id is ever sampled, since the other model's head may lack it. Transformers
+    generation suppresses those ids; vLLM samples among the tokenizer's ids only (`allowed_token_ids`, not verified
+    here: vLLM cannot run on this project's machines).
+    """
+    head_rows = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config().vocab_size
+    tokens = len(trainer._tokenizer)
+    if head_rows <= tokens:
+        return
+    suppressed = sorted(set(trainer.generation_kwargs.get("suppress_tokens") or []) | set(range(tokens, head_rows)))
+    trainer.generation_kwargs["suppress_tokens"] = suppressed
+    trainer.generation_config.suppress_tokens = suppressed
+    if trainer.use_vllm:
+        trainer.vllm_generation.generation_kwargs["allowed_token_ids"] = list(range(tokens))

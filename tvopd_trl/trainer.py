@@ -39,7 +39,7 @@ from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .scoring import CompletionScoringMixin
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
-from .tokenizers import check_shared_vocabulary
+from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
 from .tv import tv_estimate
 
 
@@ -156,10 +156,11 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):
                 check_shared_vocabulary(processing_class, tokenizer)  # before any model loads
 
-        # The base trainer loads and places one teacher; `prepare_teacher` does the same for the others.
+        # `prepare_teacher` loads and places the teachers as the base trainer would its one, without its check that the
+        # output layers have one size.
         super().__init__(
             model=model,
-            teacher_model=next(iter(local_teachers.values()), None),
+            teacher_model=None,
             args=args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
@@ -172,14 +173,13 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         )
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         self.teachers = {}  # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
-        for index, (name, source) in enumerate(local_teachers.items()):
-            # The base trainer loaded and placed the first one
-            model = prepare_teacher(self, self.teacher_model if index == 0 else source, placed=index == 0)
-            self.teachers[name] = Teacher(name, model=model)
+        for name, source in local_teachers.items():
+            self.teachers[name] = Teacher(name, model=prepare_teacher(self, name, source))
         if local_teachers:
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=client) for name, client in clients.items()})
         self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
+        restrict_sampling_to_tokenizer(self)
         check_loaded_trainer(self, teacher_tokenizers)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
