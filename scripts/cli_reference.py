@@ -42,8 +42,9 @@ LONG_HELP_LINES = 80  # help texts longer than this are folded into a <details> 
 EXAMPLES = {
     "train": (
         [
-            "tvopd-trl train --config recipes/tiny/tvopd.yaml                      # the embedded pair, CPU",
-            "tvopd-trl train --config recipes/tiny/tvopd.yaml --seed 1 --tv_alpha 0.25",
+            "tvopd-trl train                                                       # the embedded default",
+            "tvopd-trl train --config recipes/tiny/tvopd.yaml                      # the same, from its file",
+            "tvopd-trl train --config tiny/raw --seed 1                            # a packaged recipe, by name",
             "tvopd-trl train --config recipes/qwen3-8b_to_qwen3-8b-sft/tvopd.yaml --num_processes 8",
         ],
         [
@@ -53,16 +54,26 @@ EXAMPLES = {
             "the default file `accelerate config` writes), it passes `accelerate launch` the values it would otherwise "
             "default to and warn about: one machine, no dynamo, the recipe's mixed precision, and one process where "
             "there is at most one GPU.",
+            "`--config` takes a file or the name of a recipe that ships with the package (`tvopd-trl recipes` lists "
+            "them; a checkout's `recipes/` is that folder, so `recipes/tiny/tvopd.yaml` works from anywhere). Without "
+            "`--config`, and without a model, teacher or dataset of its own, the job runs the embedded default, the "
+            "`tiny/tvopd` recipe. The precision follows the machine (float32 on CPU, bf16 on a GPU that has it) "
+            "unless the recipe or a flag sets `bf16`.",
             "`accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml` is the same job.",
             "Every option is described in [config-reference.md](config-reference.md).",
         ],
     ),
     "eval": (
         [
-            "tvopd-trl eval --model outputs/my-run --k 16 --data_dir shared/data/benchmarks   # every checkpoint-N",
+            "tvopd-trl eval --model outputs/my-run --k 16                         # every checkpoint-N, offline",
+            "tvopd-trl eval --model Qwen/Qwen3-8B --benchmarks aime24,math500 --data_dir hub  # the Hub's copies",
             "tvopd-trl eval --model tvopd_trl/tiny/checkpoints/student --benchmarks tiny --k 4 --max_new_tokens 16",
         ],
-        ["Protocol, records and folders: [evaluation.md](evaluation.md)."],
+        [
+            "The paper's six benchmarks are read from the copies that ship with the package, unless `--data_dir` "
+            "names a folder of `<benchmark>.jsonl` files or `hub`. Protocol, records and folders: "
+            "[evaluation.md](evaluation.md).",
+        ],
     ),
     "select": (
         ["tvopd-trl select outputs/my-run outputs/my-run-seed1 --k 16"],
@@ -106,7 +117,7 @@ EXAMPLES = {
     ),
     "study": (
         [
-            "tvopd-trl study --config recipes/tiny/study.yaml                     # every method x 3 seeds, tiny pair",
+            "tvopd-trl study --config tiny/study                                  # every method x 3 seeds, tiny pair",
             "tvopd-trl study --config recipes/tiny/study.yaml --analysis_only     # tables and figures only",
         ],
         [
@@ -114,6 +125,16 @@ EXAMPLES = {
             "recipe overrides) and the seeds. Run folders are `<output_dir>/<method>/seed-<seed>/`; a run is finished "
             "when it holds `summary.json`, so an interrupted grid resumes where it stopped. `recipes/tiny/study.yaml` "
             "is the paper's comparisons at small scale.",
+        ],
+    ),
+    "recipes": (
+        [
+            "tvopd-trl recipes                                                    # every packaged recipe",
+            "tvopd-trl recipes tiny/tvopd > my_recipe.yaml                        # a copy to edit",
+        ],
+        [
+            "Lists the recipes, study files and accelerate configs that ship with the package, by the name "
+            "`--config` (and `--accelerate_config`, for `accelerate_configs/NAME`) takes, or prints one.",
         ],
     ),
 }
@@ -157,7 +178,9 @@ def render():
         "",
         "Generated from the argument parsers by `python scripts/cli_reference.py`; do not edit by hand. "
         "`tvopd-trl COMMAND --help` prints the same text, with `train` and `doctor` also listing every option they "
-        "inherit from TRL and transformers.",
+        "inherit from TRL and transformers. A user error (a missing file, a bad value, an unreachable Hub or "
+        "server) ends a command with one line on stderr and exit status 2; `tvopd-trl --debug COMMAND ...` (or "
+        "`TVOPD_TRL_DEBUG=1`) shows its traceback.",
         "",
         "| command | purpose |",
         "| --- | --- |",

@@ -213,6 +213,7 @@ OTHER_NAMES = {
     "extract_logprobs",
     "tv_estimate",
     "teacher_processing_class",
+    "teacher_id",
     "old_logps",
     "teacher_logps",
     "prepare_deepspeed",

@@ -28,11 +28,12 @@ from tvopd_trl.eval import (
     register_benchmark,
     summarize,
 )
+from tvopd_trl.eval.benchmarks import HUB, PACKAGED_DIR
 from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import student_path
 
 
-DATA_DIR = os.path.join(os.path.dirname(__file__), "data", "benchmarks")
+DATA_DIR = PACKAGED_DIR  # the copies that ship in the package, used as a `data_dir` like any folder
 SIZES = {"aime24": 30, "aime25": 30, "aime26": 30, "amc23": 40, "hmmt_feb_2025": 30, "math500": 500}
 
 
@@ -57,9 +58,22 @@ def test_every_paper_benchmark_loads_from_local_files():
     assert len(load_problems("tiny")) == 500
 
 
-def test_data_dir_from_the_environment(monkeypatch):
-    monkeypatch.setenv("TVOPD_BENCHMARK_DIR", DATA_DIR)
-    assert len(load_problems("amc23")) == 40
+def test_data_dir_from_the_environment(monkeypatch, tmp_path):
+    (tmp_path / "amc23.jsonl").write_text('{"id": "a", "problem": "1+1?", "answer": "2"}\n')
+    monkeypatch.setenv("TVOPD_BENCHMARK_DIR", str(tmp_path))
+    assert load_problems("amc23") == [("a", "1+1?", "2")]
+
+
+def test_without_data_dir_the_packaged_copies_load_offline(monkeypatch):
+    def offline(*args, **kwargs):
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr("datasets.load_dataset", offline)
+    monkeypatch.delenv("TVOPD_BENCHMARK_DIR", raising=False)
+    for name, size in SIZES.items():
+        assert load_problems(name) == load_problems(name, DATA_DIR) and len(load_problems(name)) == size, name
+    readme = open(os.path.join(PACKAGED_DIR, "README.md"), encoding="utf-8").read()
+    assert all(f"`{name}.jsonl`" in readme for name in PAPER_BENCHMARKS)  # provenance travels with the files
 
 
 def test_unknown_benchmark_lists_the_known_ones():
@@ -78,7 +92,7 @@ def test_local_file_missing_a_field_names_file_line_and_field(tmp_path):
 
 
 def test_missing_local_benchmark_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="No aime24.jsonl in"):
+    with pytest.raises(FileNotFoundError, match="No aime24.jsonl in .*or `hub` to load HuggingFaceH4/aime_2024"):
         load_problems("aime24", str(tmp_path))
 
 
@@ -135,10 +149,10 @@ def test_hub_loading_maps_the_published_columns(monkeypatch):
         return Dataset.from_dict(tables[name])
 
     monkeypatch.setattr("datasets.load_dataset", fake_load_dataset)
-    monkeypatch.delenv("TVOPD_BENCHMARK_DIR", raising=False)
+    monkeypatch.setenv("TVOPD_BENCHMARK_DIR", HUB)
     assert load_problems("aime25") == [("1", "p1", "70"), ("2", "p2", "588")]
     assert load_problems("amc23") == [("0", "q", "27")]  # float answers become the integers a model writes
-    assert load_problems("math500") == [("test/x.json", "p", "\\frac{1}{2}")]
+    assert load_problems("math500", HUB) == [("test/x.json", "p", "\\frac{1}{2}")]
     assert calls == [("MathArena/aime_2025", "train"), ("math-ai/amc23", "test"), ("HuggingFaceH4/MATH-500", "test")]
 
 
@@ -148,8 +162,8 @@ def test_hub_failure_says_how_to_load_locally(monkeypatch):
 
     monkeypatch.setattr("datasets.load_dataset", offline)
     monkeypatch.delenv("TVOPD_BENCHMARK_DIR", raising=False)
-    with pytest.raises(RuntimeError, match="HuggingFaceH4/aime_2024.*pass `data_dir`.*aime24.jsonl"):
-        load_problems("aime24")
+    with pytest.raises(ConnectionError, match="HuggingFaceH4/aime_2024.*Leave `data_dir` unset.*aime24.jsonl"):
+        load_problems("aime24", HUB)
 
 
 # Grading

@@ -2,7 +2,9 @@
 
 `tvopd-trl train --config recipes/tiny/tvopd.yaml` used to print accelerate's "values were not passed to `accelerate
 launch`" block, transformers' `gradient_checkpointing` FutureWarning (once per process) and torch's `pin_memory`
-warning on a machine without an accelerator. The main job now passes what it knows instead.
+warning on a machine without an accelerator. The main job now passes what it knows instead. It also printed
+DeepSpeed's "Setting accelerator to CPU" (DeepSpeed is imported by accelerate, not used), TRL's use of the deprecated
+`is_gradient_checkpointing` and transformers' "Loading weights" bars: `tvopd_trl.console.quiet` turns those off.
 """
 
 import os
@@ -22,23 +24,31 @@ AVOIDABLE_WARNINGS = {
     "accelerate launch defaults": "were not passed to `accelerate launch`",
     "transformers gradient_checkpointing": "`gradient_checkpointing` is deprecated",
     "torch pin_memory": "pin_memory",
+    "DeepSpeed accelerator detection": "Setting accelerator to CPU",
+    "TRL's is_gradient_checkpointing": "`is_gradient_checkpointing` is deprecated",
+    "transformers weight loading bars": "Loading weights",
+    "transformers weight writing bars": "Writing model shards",
 }
 
 
 @pytest.mark.skipif(
     torch.accelerator.device_count() > 1, reason="with several devices accelerate starts one process each, and says so"
 )
-def test_first_run_prints_none_of_the_avoidable_warnings(tmp_path):
-    command = [sys.executable, "-m", "tvopd_trl.cli", "train", "--config", str(RECIPE), "--output_dir", str(tmp_path)]
-    command += ["--max_steps", "2", "--eval_problems", "4"]
+@pytest.mark.parametrize("recipe", [["--config", str(RECIPE)], []], ids=["README command", "embedded default"])
+def test_first_run_prints_none_of_the_avoidable_warnings(recipe, tmp_path):
+    # The embedded default runs from a directory without the checkout, as an installed package's user would.
+    cwd = REPO if recipe else tmp_path
+    command = [sys.executable, "-m", "tvopd_trl.cli", "train", *recipe, "--output_dir", str(tmp_path / "run")]
+    command += ["--max_steps", "2", "--eval_problems", "4", "--eval_every_steps", "1"]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        command, capture_output=True, text=True, timeout=300, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert (tmp_path / "summary.json").exists()
+    assert (tmp_path / "run" / "summary.json").exists()
     printed = {name: substring for name, substring in AVOIDABLE_WARNINGS.items() if substring in output}
     assert not printed, f"the first run printed {sorted(printed)}:\n{output[-3000:]}"
+    assert "TV-OPD main job (tv, 2 steps)" in output and "Traceback" not in output
 
 
 def _launched(argv, monkeypatch, recipe=RECIPE):

@@ -22,13 +22,18 @@
 - `tvopd-trl push RUN_DIR --repo_id USER/NAME`: uploads a run's selected checkpoint, with its model card, to the Hub.
 - `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
 - `tvopd-trl study --config study.yaml`: a resumable (method x seed) grid and the paper's tables and figures.
+- `tvopd-trl recipes [NAME]`: lists the recipes that ship with the package, or prints one.
 
-Each command is a module of `tvopd_trl.scripts` with `make_parser(prog)` and `run(argv)`, named in `COMMANDS`.
+Each command is a module of `tvopd_trl.scripts` with `make_parser(prog)` and `run(argv)`, named in `COMMANDS`. A user
+error (a missing file, a bad value, an unreachable Hub or server) ends a command with one line on stderr and exit
+status 2; `tvopd-trl --debug COMMAND ...` or `TVOPD_TRL_DEBUG=1` shows its traceback.
 """
 
 import importlib
+import os
 import sys
-from argparse import ArgumentParser
+
+from .console import DEBUG_VARIABLE, OneLineErrors, quiet, report_errors
 
 
 def _subtract_subsequence(items, subsequence):
@@ -51,6 +56,8 @@ def _accelerate_launch_args(config_remaining, cli_remaining):
 
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
+    from .packaged_recipes import find_recipe, recipe_names
+
     if "--accelerate_config" in config_remaining and "--accelerate_config" in cli_remaining:
         # The command line wins over the recipe, as for every other key (TRL would resolve the recipe's value and
         # leave the flag to `accelerate launch`, which rejects it).
@@ -62,16 +69,22 @@ def _accelerate_launch_args(config_remaining, cli_remaining):
         value = flags[index + 1]
         shipped = resources.files("trl.accelerate_configs")
         if not Path(value).is_file() and not shipped.joinpath(f"{value}.yaml").is_file():
-            # TRL's own message names neither the recipe nor the names it accepts.
-            names = sorted(
-                entry.name.removesuffix(".yaml") for entry in shipped.iterdir() if entry.name.endswith(".yaml")
-            )
-            source = "the recipe's `accelerate_config`" if index < len(config_remaining) else "--accelerate_config"
-            raise ValueError(
-                f"{source} {value!r} is neither a file nor one of TRL's accelerate configs ({', '.join(names)}). "
-                "Name one of those, or give the path of a YAML file, such as recipes/accelerate_configs/zero3.yaml "
-                "(a relative path starts from the current directory)."
-            )
+            # Then one of ours, by name (`zero3_cpu`, `accelerate_configs/zero3_cpu`) or by its repository path.
+            try:
+                flags[index + 1] = find_recipe(value if "/" in value else f"accelerate_configs/{value}")
+            except FileNotFoundError:
+                # TRL's own message names neither the recipe nor the names it accepts.
+                names = sorted(
+                    entry.name.removesuffix(".yaml") for entry in shipped.iterdir() if entry.name.endswith(".yaml")
+                )
+                ours = [name.split("/")[1] for name in recipe_names() if name.startswith("accelerate_configs/")]
+                source = "the recipe's `accelerate_config`" if index < len(config_remaining) else "--accelerate_config"
+                raise ValueError(
+                    f"{source} {value!r} is neither a file nor one of TRL's accelerate configs ({', '.join(names)}) "
+                    f"or ours ({', '.join(name for name in ours if name not in names)}). Name one of those, or give "
+                    "the path of a YAML file, such as recipes/accelerate_configs/zero3.yaml (a relative path starts "
+                    "from the current directory)."
+                ) from None
     return resolve_accelerate_config_argument(flags)
 
 
@@ -124,7 +137,10 @@ class LaunchedCommand(Command):
     flags the script does not know go to `accelerate launch`."""
 
     def run(self, argv):
+        import subprocess
+
         from accelerate.commands.launch import launch_command, launch_command_parser
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from transformers import TrainingArguments
 
         from .job import check_launch_options
@@ -139,7 +155,14 @@ class LaunchedCommand(Command):
         training_args = next(args for args in parsed if isinstance(args, TrainingArguments))
         script_args = _subtract_subsequence(argv, cli_remaining)
         launch = launch_command_parser().parse_args([*launch_args, "-m", self.module, *script_args])
-        launch_command(_fill_launch_defaults(launch, training_args))
+        try:
+            launch_command(_fill_launch_defaults(launch, training_args))
+        # The launched processes printed their own error (one line, see `tvopd_trl.console`); the launcher's
+        # traceback around it would say nothing more.
+        except subprocess.CalledProcessError as error:
+            return error.returncode
+        except ChildFailedError as error:
+            return next(iter(error.failures.values())).exitcode
         return 0
 
 
@@ -153,26 +176,30 @@ COMMANDS = {
         Command("push", "upload a run's selected checkpoint to the Hub"),
         Command("doctor", "check a teacher/student pair for silent teacher-scoring bugs"),
         Command("study", "run a (method x seed) grid and write the paper's tables and figures"),
+        Command("recipes", "list the recipes that ship with the package, or print one"),
     )
 }
 
 
 def main(argv=None) -> int:
-    from .push import PushError
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = ArgumentParser(prog="tvopd-trl", allow_abbrev=False, description=__doc__.split("\n")[0])
+    parser = OneLineErrors(prog="tvopd-trl", allow_abbrev=False, description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--debug", action="store_true", help=f"show user errors' tracebacks (or set {DEBUG_VARIABLE}=1)"
+    )
     parser.add_argument(
         "command", choices=COMMANDS, help="; ".join(f"`{name}`: {c.help_text}" for name, c in COMMANDS.items())
     )
-    if not argv or argv[0] not in COMMANDS:
+    if argv[:1] == ["--debug"]:
+        argv.pop(0)
+        os.environ[DEBUG_VARIABLE] = "1"  # the processes `tvopd-trl train` launches inherit it
+    if not argv:
         parser.print_help()
-        return 0 if not argv else 2
-    try:
-        return COMMANDS[argv[0]].run(argv[1:])
-    except (ValueError, FileNotFoundError, PushError) as error:  # the message says what to fix
-        print(f"tvopd-trl {argv[0]}: error: {error}", file=sys.stderr)
-        return 2
+        return 0
+    if argv[0] not in COMMANDS:
+        parser.parse_args(argv[:1])  # exits with the one-line error that lists the commands
+    quiet()
+    return report_errors(f"tvopd-trl {argv[0]}", COMMANDS[argv[0]].run, argv[1:])
 
 
 if __name__ == "__main__":

@@ -19,12 +19,21 @@ would load, from the same recipe.
 """
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
+from trl import TrlParser
 
+from .console import OneLineErrors
 from .eval import SamplingSettings, TransformersGenerator, evaluate, get_benchmark, load_problems, mean_at_k
 from .eval.generation import PAPER_TEMPERATURE, PAPER_TOP_K, PAPER_TOP_P
+from .packaged_recipes import find_recipe
+
+
+# The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
+DEFAULT_RECIPE = "tiny/tvopd"
+CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
 
 
 @dataclass
@@ -54,7 +63,8 @@ class MainJobArguments:
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
             the embedded task's held-out split, `tiny`) or a JSONL file with `id`, `problem` and `answer` fields.
         eval_data_dir (`str`, *optional*):
-            Folder with `<benchmark>.jsonl` files, read instead of the Hub for the paper's benchmarks.
+            Where the paper's benchmarks are read from: a folder with `<benchmark>.jsonl` files, or `hub` for their
+            Hub datasets. Defaults to the copies that ship with the package (offline).
 
         > Parameters that control the accuracy evaluation
 
@@ -89,7 +99,9 @@ class MainJobArguments:
     eval_benchmark: str = field(
         default="tiny", metadata={"help": "Benchmark name or JSONL file (id, problem, answer)."}
     )
-    eval_data_dir: str | None = field(default=None, metadata={"help": "Folder with local <benchmark>.jsonl files."})
+    eval_data_dir: str | None = field(
+        default=None, metadata={"help": "Folder with <benchmark>.jsonl files, or hub (default: the packaged copies)."}
+    )
     eval_problems: int = field(default=200, metadata={"help": "Held-out problems evaluated; 0 disables."})
     eval_k: int = field(default=4, metadata={"help": "Samples per problem (mean@k)."})
     eval_temperature: float = field(default=PAPER_TEMPERATURE, metadata={"help": "Evaluation sampling temperature."})
@@ -101,14 +113,53 @@ class MainJobArguments:
     eval_teacher: bool = field(default=True, metadata={"help": "Evaluate the teacher too."})
 
 
+class RecipeParser(OneLineErrors, TrlParser):
+    """TRL's parser of a YAML config and flags, whose `--config` also takes the name of a packaged recipe
+    (`tiny/tvopd`, see `tvopd_trl.packaged_recipes`), and whose errors are one line (`OneLineErrors`)."""
+
+    def parse_args_and_config(self, args=None, **kwargs):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--config" in args:
+            index = args.index("--config") + 1
+            if index == len(args):
+                self.error("argument --config: expected one argument")
+            args[index] = find_recipe(args[index])
+        return super().parse_args_and_config(args, **kwargs)
+
+
+class JobParser(RecipeParser):
+    """The main job's `RecipeParser`, with its defaults:
+
+    - without `--config`, and without a model, teacher or dataset of its own, the job runs the embedded default, the
+      packaged `tiny/tvopd` recipe (flags still override it);
+    - the precision follows the machine: bf16 where transformers accepts it (a bf16-capable GPU), float32 elsewhere,
+      instead of TRL's bf16, which transformers refuses on a CPU. A recipe's `bf16` or a flag wins.
+    """
+
+    def __init__(self, dataclass_types, **kwargs):
+        import torch
+        from transformers.utils import is_torch_bf16_gpu_available
+
+        super().__init__(dataclass_types, **kwargs)
+        self.set_defaults_with_config(
+            bf16=is_torch_bf16_gpu_available(),
+            # Pinned memory needs an accelerator: without one, torch pins nothing and warns that it does not.
+            dataloader_pin_memory=torch.accelerator.is_available(),
+        )
+
+    def parse_args_and_config(self, args=None, **kwargs):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--config" not in args and not any(getattr(self.parse_known_args(args)[0], key) for key in CUSTOM_KEYS):
+            args = ["--config", DEFAULT_RECIPE, *args]
+        return super().parse_args_and_config(args, **kwargs)
+
+
 def job_parser(*dataclass_types, prog=None):
     """The parser of the main job's recipe and flags (`MainJobArguments`, `TVOPDConfig`), after a command's own
     `dataclass_types`."""
-    from trl import TrlParser
-
     from .config import TVOPDConfig
 
-    return TrlParser((*dataclass_types, MainJobArguments, TVOPDConfig), prog=prog)
+    return JobParser((*dataclass_types, MainJobArguments, TVOPDConfig), prog=prog)
 
 
 def _load_dataset(name, config, split):
@@ -117,6 +168,25 @@ def _load_dataset(name, config, split):
     if os.path.isfile(name):
         return load_dataset("json", data_files=name, split="train")
     return load_dataset(name, config, split=split)
+
+
+def check_model_source(name, what):
+    """Refuses a model that is neither a folder nor a Hub id, naming the fix: transformers' own message only says that
+    the name is not a valid Hub repository id."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if os.path.isdir(name):
+        if not any(os.path.isfile(os.path.join(name, file)) for file in ("config.json", "adapter_config.json")):
+            raise FileNotFoundError(f"{what} {name!r} is a folder without config.json, not a saved model.")
+        return
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"{what} {name!r} is neither a model folder nor a Hub model id (namespace/name). Check the path (a relative "
+            "one starts from the current directory)."
+        ) from None
 
 
 def load_job(job_args, training_args):
@@ -129,6 +199,9 @@ def load_job(job_args, training_args):
     student_path = job_args.model_name_or_path or tiny.student_path()
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
     teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
+    check_model_source(student_path, "`model_name_or_path`")
+    if teacher_path is not None:
+        check_model_source(teacher_path, "`teacher_model_name_or_path`")
     remote_code = training_args.trust_remote_code  # False unless the user sets it
     tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left", trust_remote_code=remote_code)
     if job_args.dataset_name is None:
@@ -185,7 +258,7 @@ def check_job_arguments(job_args, training_args, state):
     custom = job_args.model_name_or_path is not None or job_args.dataset_name is not None
     if custom and job_args.eval_problems > 0 and job_args.eval_benchmark == "tiny":
         raise ValueError(
-            "With your own model or dataset, set `eval_benchmark` (e.g. `math500` with `eval_data_dir`, or a JSONL "
+            "With your own model or dataset, set `eval_benchmark` (e.g. `math500`, or a JSONL "
             "file with id, problem and answer fields): the default, the embedded addition task, says nothing about "
             "your model. Or pass `--eval_problems 0`."
         )

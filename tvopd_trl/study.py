@@ -13,9 +13,9 @@
 # limitations under the License.
 """A study: a grid of (method x seed) runs of the main job, run a few at a time and resumed where it stopped.
 
-A study file (`recipes/tiny/study.yaml`) names the main job's recipe, the settings every run shares, the methods (each
-a set of recipe overrides) and the seeds. Run `i` of the grid lives in `<output_dir>/<method>/seed-<seed>/`; it is
-finished when it holds `summary.json`, which the main job writes last. A run folder without one was interrupted: it is
+A study file (`recipes/tiny/study.yaml`, packaged as `tiny/study`) names the main job's recipe, the settings every
+run shares, the methods (each a set of recipe overrides) and the seeds. Run `i` of the grid lives in
+`<output_dir>/<method>/seed-<seed>/`; it is finished when it holds `summary.json`, which the main job writes last. A run folder without one was interrupted: it is
 cleared and run again. A finished run whose settings differ from the study's is an error, never silently reused.
 """
 
@@ -73,7 +73,9 @@ def load_study(path):
     """Parses a study file as data (`yaml.safe_load`), refusing unknown keys and methods without a name."""
     import yaml
 
-    with open(path) as f:
+    from .packaged_recipes import find_recipe
+
+    with open(find_recipe(path)) as f:
         raw = yaml.safe_load(f)
     known = set(Study.__dataclass_fields__)
     unknown = sorted(set(raw) - known)
@@ -91,8 +93,13 @@ def load_study(path):
         unknown = sorted(set(value) - set(study.methods)) if key.endswith(("methods", "sweep", "ablation")) else []
         if unknown:
             raise ValueError(f"{path}: analysis.{key} names methods {unknown} that `methods` does not define.")
-    if not os.path.isfile(study.recipe):
-        raise FileNotFoundError(f"{path}: the recipe {study.recipe} does not exist (paths are relative to the cwd).")
+    try:
+        find_recipe(study.recipe)  # the runs' `--config`, which takes a packaged recipe's name too
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path}: the recipe {study.recipe} does not exist, as a file (relative to the cwd) or as a packaged "
+            "recipe (`tvopd-trl recipes` lists those)."
+        ) from None
     return study
 
 

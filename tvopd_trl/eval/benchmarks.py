@@ -14,9 +14,10 @@
 """The benchmark registry: the paper's six math benchmarks, the embedded tiny task, and your own files.
 
 A benchmark is a list of [`Problem`]s (`id`, `problem`, `answer`). Each of the paper's benchmarks loads from a local
-JSONL file with exactly those fields when `data_dir` holds `<name>.jsonl`, and otherwise from its usual Hugging Face
-dataset (ids and field mappings in `BENCHMARKS`; the Hub loaders are written against the datasets' published schemas
-and could not be run in the environment this library is tested in, which has no Hub access).
+JSONL file with exactly those fields when `data_dir` holds `<name>.jsonl`, from its usual Hugging Face dataset when
+`data_dir` is `"hub"` (ids and field mappings in `BENCHMARKS`; the Hub loaders are written against the datasets'
+published schemas and could not be run in the environment this library is tested in, which has no Hub access), and
+otherwise from the copy that ships in the package (`PACKAGED_DIR`, provenance in its README.md), offline.
 """
 
 import importlib
@@ -30,6 +31,8 @@ from typing import NamedTuple
 DEFAULT_PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 PAPER_BENCHMARKS = ("aime24", "aime25", "aime26", "amc23", "hmmt_feb_2025", "math500")
 FIELDS = ("id", "problem", "answer")
+PACKAGED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+HUB = "hub"  # the `data_dir` that loads the Hub datasets instead of local files
 
 
 class Problem(NamedTuple):
@@ -195,21 +198,24 @@ def read_problems(path):
 def load_problems(benchmark, data_dir=None, limit=None):
     """The problems of `benchmark` (a `Benchmark`, a registered name or a JSONL path), the first `limit` if given.
 
-    Local first: the registered file, else `<data_dir>/<name>.jsonl` (`data_dir` defaults to the environment variable
-    `TVOPD_BENCHMARK_DIR`); otherwise the Hub dataset."""
+    The registered file, else `<data_dir>/<name>.jsonl`, else, with `data_dir="hub"`, the Hub dataset, else the
+    packaged copy (`PACKAGED_DIR`). `data_dir` defaults to the environment variable `TVOPD_BENCHMARK_DIR`."""
     benchmark = get_benchmark(benchmark)
     data_dir = data_dir or os.environ.get("TVOPD_BENCHMARK_DIR")
     if benchmark.loader is not None:
         problems = benchmark.loader()
     elif benchmark.path is not None:
         problems = read_problems(benchmark.path)
-    elif data_dir is not None:
-        path = os.path.join(data_dir, f"{benchmark.name}.jsonl")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"No {benchmark.name}.jsonl in {data_dir} (benchmark {benchmark.name!r}).")
-        problems = read_problems(path)
-    else:
+    elif data_dir == HUB:
         problems = _load_from_hub(benchmark)
+    else:
+        path = os.path.join(data_dir or PACKAGED_DIR, f"{benchmark.name}.jsonl")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"No {benchmark.name}.jsonl in {data_dir or 'the package'} (benchmark {benchmark.name!r}). Pass "
+                f"`data_dir` (`--data_dir`) a folder that holds it, or `{HUB}` to load {benchmark.hub_id} instead."
+            )
+        problems = read_problems(path)
     return problems if limit is None else problems[:limit]
 
 
@@ -219,10 +225,10 @@ def _load_from_hub(benchmark):
     try:
         rows = load_dataset(benchmark.hub_id, split=benchmark.hub_split)
     except Exception as error:
-        raise RuntimeError(
-            f"Could not load benchmark {benchmark.name!r} from the Hub ({benchmark.hub_id}: {error}). Offline, pass "
-            f"`data_dir` (or set TVOPD_BENCHMARK_DIR) to a folder with {benchmark.name}.jsonl (fields "
-            f"{', '.join(FIELDS)})."
+        raise ConnectionError(
+            f"Could not load benchmark {benchmark.name!r} from the Hub ({benchmark.hub_id}: {error}). Leave `data_dir` "
+            f"unset (and TVOPD_BENCHMARK_DIR) to read the copy shipped in the package, or pass a folder with "
+            f"{benchmark.name}.jsonl (fields {', '.join(FIELDS)})."
         ) from error
     columns = benchmark.hub_fields
     missing = [column for column in columns.values() if column is not None and column not in rows.column_names]

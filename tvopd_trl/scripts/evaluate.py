@@ -49,7 +49,8 @@ class EvalArguments:
             Comma-separated benchmark names (`tvopd_trl.eval.BENCHMARKS`) or JSONL files with `id`, `problem`,
             `answer`.
         data_dir (`str`, *optional*):
-            Folder with `<benchmark>.jsonl` files, read instead of the Hub (e.g. `shared/data/benchmarks`).
+            Where the paper's benchmarks are read from: a folder with `<benchmark>.jsonl` files, or `hub` for their
+            Hub datasets. Defaults to the copies that ship with the package (offline).
         limit (`int`, *optional*):
             Evaluate only the first `limit` problems of each benchmark.
         output_dir (`str`, *optional*):
@@ -86,7 +87,9 @@ class EvalArguments:
 
     model: str = field(metadata={"help": "Model id or path, or a run directory with checkpoint-N folders."})
     benchmarks: str = field(default=",".join(PAPER_BENCHMARKS), metadata={"help": "Comma-separated benchmarks."})
-    data_dir: str | None = field(default=None, metadata={"help": "Folder with local <benchmark>.jsonl files."})
+    data_dir: str | None = field(
+        default=None, metadata={"help": "Folder with <benchmark>.jsonl files, or hub (default: the packaged copies)."}
+    )
     limit: int | None = field(default=None, metadata={"help": "First N problems of each benchmark only."})
     output_dir: str | None = field(default=None, metadata={"help": "Output folder of a single model's evaluation."})
     backend: str = field(default="auto", metadata={"help": "transformers, vllm or auto."})
@@ -122,7 +125,9 @@ def _generator(args, model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..eval import TransformersGenerator, VLLMGenerator
+    from ..job import check_model_source
 
+    check_model_source(model_path, "--model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     backend = args.backend
     if backend == "auto":
@@ -230,9 +235,9 @@ def main(args):
 
 
 def make_parser(prog=None):
-    from trl import TrlParser
+    from ..job import RecipeParser
 
-    return TrlParser((EvalArguments,), prog=prog)
+    return RecipeParser((EvalArguments,), prog=prog)
 
 
 def run(argv=None):

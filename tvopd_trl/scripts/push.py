@@ -16,13 +16,12 @@
 Which checkpoint, what the commit holds and what stays local: `tvopd_trl.push`.
 """
 
-import argparse
-
+from ..console import OneLineErrors
 from ..push import PushError, push_run  # noqa: F401  (PushError: moved to `tvopd_trl.push`; this import keeps working)
 
 
 def make_parser(prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="The run's output_dir.")
     parser.add_argument("--repo_id", "--repo-id", required=True, help="Hub repository, USER/NAME or ORG/NAME.")
     parser.add_argument("--checkpoint", default=None, help="Upload this folder instead of the selected checkpoint.")

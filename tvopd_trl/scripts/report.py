@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 
+from ..console import OneLineErrors
 from ..eval.benchmarks import PAPER_BENCHMARKS, get_benchmark
 from ..eval.selection import PAPER_LATE_WINDOW, PAPER_STAGES, RETENTION_BENCHMARKS
 
@@ -241,7 +242,7 @@ def _covers_stage(series, bounds):
 
 
 def make_parser(prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=report.__doc__)
+    parser = OneLineErrors(prog=prog, description=report.__doc__)
     parser.add_argument(
         "--method", type=_method, action="append", required=True, help="NAME=RUN_DIR[,RUN_DIR...]; repeat per method."
     )

@@ -21,13 +21,12 @@ It writes `<run>/selection.json` (what `tvopd-trl push` uploads) and prints the 
 (`tvopd_trl.scripts.report.select`).
 """
 
-import argparse
-
+from ..console import OneLineErrors
 from .report import add_selection_arguments, select
 
 
 def make_parser(prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=select.__doc__)
+    parser = OneLineErrors(prog=prog, description=select.__doc__)
     parser.add_argument("runs", nargs="+", help="Run directories with eval/mean@<k>/step-<N>/ evaluations.")
     add_selection_arguments(parser)
     return parser

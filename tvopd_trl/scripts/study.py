@@ -11,15 +11,15 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""`tvopd-trl study --config recipes/tiny/study.yaml`: runs a (method x seed) grid of the main job, resuming a
+"""`tvopd-trl study --config tiny/study`: runs a (method x seed) grid of the main job, resuming a
 partial one, then writes the paper's tables and figures from it (`tvopd_trl.study`)."""
 
-import argparse
+from ..console import OneLineErrors
 
 
 def make_parser(prog=None):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="The study file (e.g. recipes/tiny/study.yaml).")
+    parser = OneLineErrors(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="The study file, or a packaged one's name (tiny/study).")
     parser.add_argument("--parallel", type=int, default=None, help="Runs at a time (default: the study file's).")
     parser.add_argument("--skip_analysis", action="store_true", help="Run the grid only.")
     parser.add_argument("--analysis_only", action="store_true", help="Write tables and figures from a finished grid.")

@@ -206,13 +206,7 @@ def make_parser(prog=None):
 
 
 def run(argv=None):
-    import torch
-
     parser = make_parser(prog="tvopd-trl train")
-    if not torch.accelerator.is_available():
-        # Pinned memory needs an accelerator: without one, torch pins nothing and warns that it does not.
-        # A default only: the recipe's `dataloader_pin_memory` (applied over it) and a flag still win.
-        parser.set_defaults_with_config(dataloader_pin_memory=False)
     job_args, training_args, remaining = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
     check_launch_options(remaining)  # `accelerate launch` settings in a recipe are for `tvopd-trl train`
     main(job_args, training_args)
@@ -220,9 +214,16 @@ def run(argv=None):
 
 
 if __name__ == "__main__":
-    run()
-    # Gloo aborts in its destructors at exit in some multi-process CPU runs ("terminate called without an active
-    # exception", exit code 1 after a finished job) unless the process group is gone first.
+    import sys
+
     from accelerate import PartialState
 
+    from ..console import quiet, report_errors
+
+    # The process `tvopd-trl train` launches: a user error is one line here too, and the launcher adds nothing to it.
+    quiet()
+    status = report_errors("tvopd-trl train", run)
+    # Gloo aborts in its destructors at exit in some multi-process CPU runs ("terminate called without an active
+    # exception", exit code 1 after a finished job) unless the process group is gone first.
     PartialState().destroy_process_group()
+    sys.exit(status)
