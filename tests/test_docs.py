@@ -14,6 +14,7 @@ from trl import DistillationConfig, SFTConfig
 
 from tvopd_trl import callbacks as callbacks_module
 from tvopd_trl import metrics as metrics_module
+from tvopd_trl import scoring as scoring_module
 from tvopd_trl import trainer as trainer_module
 from tvopd_trl.advantages import ADVANTAGE_MODES
 from tvopd_trl.cli import COMMANDS
@@ -23,6 +24,7 @@ from tvopd_trl.job import MainJobArguments
 from tvopd_trl.metrics import advantage_dispersion
 from tvopd_trl.scripts.doctor import DoctorArguments
 from tvopd_trl.scripts.evaluate import EvalArguments
+from tvopd_trl.served_teacher import TeacherServerPool
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +155,7 @@ def test_every_docs_page_is_linked_from_the_readme_and_the_index():
 # Names: metrics and config fields
 # ----------------------------------------------------------------------------------------------------------------------
 
-METRIC_GROUPS = ("tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "completions")
+METRIC_GROUPS = ("tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "teacher", "completions")
 METRIC = re.compile(rf"(?:eval_)?(?:{'|'.join(METRIC_GROUPS)})/[\w/@*<>]+|(?:eval_)?policy_loss|eval/[\w/@<>]+")
 
 
@@ -166,6 +168,12 @@ def _logged_metrics():
     # Per teacher: `_scale_metric("tv/scale", index)` logs `tv/<teacher>/scale`; StepStatistics `kl/<teacher>/...`
     ours |= {f"tv/<teacher>/{key}" for key in re.findall(r'_scale_metric\("tv/(\w+)"', source)}
     ours |= {f"{group}/<teacher>/{key}" for group, key in re.findall(r'f"(kl|tv)/\{name\}/(\w+)"', source)}
+    # A served teacher's request statistics (`TeacherServerPool.last_stats`), recorded by the scoring as `teacher/...`
+    # (`teacher/<teacher>/...` with several teachers)
+    scoring_source = inspect.getsource(scoring_module)
+    assert 'f"teacher/{stat}"' in scoring_source and 'f"teacher/{teacher.name}/{stat}"' in scoring_source
+    stats = re.findall(r'^\s+"(\w+)": ', inspect.getsource(TeacherServerPool.score), flags=re.M)
+    ours |= {f"teacher/{stat}" for stat in stats} | {f"teacher/<teacher>/{stat}" for stat in stats}
     assert 'f"advantage/{name}"' in source
     ours |= {f"advantage/{name}" for name in advantage_dispersion(torch.zeros(0))}
     from trl.trainer import distillation_trainer

@@ -12,6 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -125,17 +126,21 @@ class TVOPDConfig(DistillationConfig):
 
         > Parameters that control a served teacher
 
-        teacher_model_server_url (`str` or `dict[str, str]`, *optional*):
+        teacher_model_server_url (`str`, `list[str]` or `dict[str, str | list[str]]`, *optional*):
             Base URL of a vLLM server that hosts the teacher (e.g. `"http://teacher-node:8000"`, started with `trl
             vllm-serve` or `vllm serve`), as in TRL's `ServerDistillationConfig`. The teacher then scores each sampled
             token with one prefill request (`VLLMClient.get_sequence_logprobs`) instead of living in the training
             processes, which frees their memory for the student. Pass no `teacher_model` to the trainer then, and
             `teacher_processing_class` to check the vocabularies. Needs vLLM's client (`pip install tvopd-trl[vllm]`);
             not usable with `advantage_mode="vopd"` or `log_exact_tv`, which need the full next-token distribution.
-            With several teachers, a mapping `{name: URL}` (a JSON object on the command line): those teachers are
-            served, and the trainer's `teacher_model` mapping names the local ones (docs/multi-teacher.md).
+            A list of URLs (a JSON list on the command line) is a pool of replicas of one teacher server: each
+            rollout's scoring is cut into chunks spread over them, and a chunk that a replica fails is retried on
+            another (docs/vllm.md). With several teachers, a mapping `{name: URL or list of URLs}` (a JSON object on
+            the command line): those teachers are served, and the trainer's `teacher_model` mapping names the local
+            ones (docs/multi-teacher.md).
         teacher_model_server_timeout (`float`, *optional*, defaults to `240.0`):
-            Seconds to wait for the teacher server to answer its health check before training fails.
+            Seconds to wait for the teacher server (each replica of a pool, all at once) to answer its health check
+            before training fails, or, with a pool, starts without the replicas that did not answer.
 
     > [!NOTE]
     > These parameters have default values different from [`~trl.DistillationConfig`]:
@@ -231,9 +236,12 @@ class TVOPDConfig(DistillationConfig):
     )
 
     # Parameters that control a served teacher
-    teacher_model_server_url: dict[str, str] | str | None = field(
+    teacher_model_server_url: dict[str, str | list[str]] | str | list[str] | None = field(
         default=None,
-        metadata={"help": "Base URL of a vLLM server hosting the teacher, or a JSON object {name: URL} of several."},
+        metadata={
+            "help": "Base URL of a vLLM server hosting the teacher, a JSON list of the URLs of its replicas, or a JSON "
+            "object {name: URL or list of URLs} of several teachers."
+        },
     )
     teacher_model_server_timeout: float = field(
         default=240.0, metadata={"help": "Seconds to wait for the teacher server's health check."}
@@ -256,6 +264,9 @@ class TVOPDConfig(DistillationConfig):
             if hasattr(self, new) and getattr(self, new) is None:
                 setattr(self, new, getattr(self, old))
         super().__post_init__()
+        # transformers parses only JSON objects (`_VALID_DICT_FIELDS`): a pool of replicas comes as a JSON list
+        if isinstance(self.teacher_model_server_url, str) and self.teacher_model_server_url.startswith("["):
+            self.teacher_model_server_url = json.loads(self.teacher_model_server_url)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.world_size == 1:
             raise ValueError(

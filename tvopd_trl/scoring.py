@@ -23,12 +23,11 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 from .checks import LOGIT_POSTPROCESSING_ATTRIBUTES
 from .chunked_logprob import sampled_token_logprobs
 from .divergences import exact_reverse_kl_and_tv
-from .served_teacher import served_teacher_logps
 
 
 class CompletionScoringMixin:
     """The scoring half of [`TVOPDTrainer`]: it reads the trainer's `args`, `accelerator`, models, `temperature`, the
-    served teacher's client and TRL's `_forward_redirection` / `_get_last_hidden_state`."""
+    served teachers' server pools and TRL's `_forward_redirection` / `_get_last_hidden_state`."""
 
     def score_completions(self, batch, old_logps=False, exact_divergences=False):
         """
@@ -63,9 +62,11 @@ class CompletionScoringMixin:
                         key: batch[key][rows]
                         for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
                     }
-                    scores = [
-                        served_teacher_logps(teacher.client, routed, self.temperature).to(self.accelerator.device)
-                    ]
+                    scores = [teacher.client.score(routed, self.temperature).to(self.accelerator.device)]
+                    for stat, value in teacher.client.last_stats.items():
+                        self.record_metric(
+                            f"teacher/{stat}" if len(self.teachers) == 1 else f"teacher/{teacher.name}/{stat}", value
+                        )
                 else:
                     teacher.model.eval()  # whatever another callback or user did to it since construction
                     ids, mask = prompt_completion_ids[rows], attention_mask[rows]

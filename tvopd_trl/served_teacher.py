@@ -11,11 +11,22 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""A teacher served by vLLM (`teacher_model_server_url`): the sampled tokens' log-probabilities through TRL's client."""
+"""A teacher served by vLLM (`teacher_model_server_url`): the sampled tokens' log-probabilities through TRL's client,
+from one server or a pool of replicas."""
 
 import math
+import time
+import warnings
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .checks import connect_server
+
+
+_BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
 def served_teacher_logps(client, batch, temperature):
@@ -50,3 +61,246 @@ def served_teacher_logps(client, batch, temperature):
             )
         logps[row, :length] = torch.tensor([value[0] for value in values], dtype=torch.float32)
     return torch.where(torch.isfinite(logps), logps, math.nan)
+
+
+@dataclass(eq=False)
+class _Replica:
+    """One teacher server of a pool: its TRL client (`None` until it first answers) and its run of failures."""
+
+    url: str
+    client: Any = None
+    failures: int = 0  # consecutive failed requests or probes
+    down_until: float = 0.0  # `time.monotonic()` after which a replica set aside is probed again
+
+
+class TeacherServerPool:
+    """
+    Replicas of one teacher's vLLM server, scoring a rollout together through TRL's `VLLMClient`, one per replica.
+
+    [`~TeacherServerPool.score`] cuts the rollout's rows into chunks and sends them concurrently, at most
+    `max_in_flight` requests per replica, each chunk to the least busy replica as a slot frees up, so that a slow
+    replica ends up with a smaller share. A chunk whose request fails with a connection error, a timeout or a 5xx is
+    retried, after an exponential backoff, on another replica where there is one. A replica that failed `max_failures`
+    times in a row is set aside for `cooldown` seconds and then probed on its health endpoint before it gets chunks
+    again; while every replica is set aside, chunks go to them anyway, so that the retry budget still decides. A chunk
+    that fails `retries + 1` times raises one `ConnectionError` naming every replica: the step never goes on with
+    partial teacher values. Each sequence is scored on its own, so the values do not depend on the chunking or on the
+    replica that answered.
+
+    Build it with [`connect_teacher_pool`], which probes every replica first.
+
+    Args:
+        replicas (`list[_Replica]`):
+            The replicas, those that did not answer at construction already set aside.
+        what (`str`):
+            What the pool serves, for messages (e.g. `"the teacher server 'teacher'"`).
+        chunk_rows (`int`, *optional*):
+            Rows per request. By default a single replica gets the whole rollout in one request (vLLM batches it
+            itself), and a pool cuts it into 4 chunks per replica, so that a slow replica's share can move.
+        max_in_flight (`int`, *optional*, defaults to `2`):
+            Requests in flight per replica, from this process.
+        request_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds a request may take before it counts as failed and is retried elsewhere (TRL's client sets none).
+        retries (`int`, *optional*, defaults to `5`):
+            Retries per chunk before the step fails.
+        backoff (`float`, *optional*, defaults to `1.0`):
+            Seconds before a chunk's first retry, doubling with each further one.
+        max_failures (`int`, *optional*, defaults to `2`):
+            Consecutive failures that set a replica aside.
+        cooldown (`float`, *optional*, defaults to `30.0`):
+            Seconds a replica stays aside before it is probed again.
+
+    After each `score` call, `last_stats` holds `request_seconds` (its wall time), `retries` (failed requests that were
+    retried) and `replicas_down` (replicas set aside at its end), which the trainer logs as `teacher/...` metrics.
+    """
+
+    def __init__(
+        self,
+        replicas,
+        what,
+        chunk_rows=None,
+        max_in_flight=2,
+        request_timeout=600.0,
+        retries=5,
+        backoff=1.0,
+        max_failures=2,
+        cooldown=30.0,
+    ):
+        self.replicas, self.what = replicas, what
+        self.chunk_rows, self.max_in_flight, self.request_timeout = chunk_rows, max_in_flight, request_timeout
+        self.retries, self.backoff, self.max_failures, self.cooldown = retries, backoff, max_failures, cooldown
+        for replica in replicas:
+            if replica.client is not None:
+                self._attach(replica.client)
+        self.last_stats = {}
+
+    @property
+    def urls(self):
+        return [replica.url for replica in self.replicas]
+
+    def _attach(self, client):
+        import requests
+        from urllib3.util.retry import Retry
+
+        timeout = self.request_timeout
+
+        class _PoolAdapter(requests.adapters.HTTPAdapter):
+            def send(self, request, **kwargs):
+                # TRL's client sets no timeout: a hung replica would hold its chunk forever
+                return super().send(request, **{**kwargs, "timeout": timeout})
+
+        # No retries in the session (the pool retries, on another replica), and a 5xx raises `RetryError` instead of
+        # reaching TRL's client, which would turn it into a bare `Exception` indistinguishable from a 4xx
+        retry = Retry(total=0, status_forcelist=(500, 502, 503, 504), allowed_methods=None)
+        adapter = _PoolAdapter(max_retries=retry, pool_maxsize=self.max_in_flight + 1)
+        client.session.mount("http://", adapter)
+        client.session.mount("https://", adapter)
+        return client
+
+    def _is_up(self, replica):
+        return replica.client is not None and replica.failures < self.max_failures
+
+    def _probe(self, replica):
+        """The replica's client once its health check answers (built on the first answer); raises otherwise."""
+        if replica.client is None:
+            from trl.generation.vllm_client import VLLMClient
+
+            return self._attach(VLLMClient(base_url=replica.url, connection_timeout=0))
+        replica.client.session.get(f"{replica.client.base_url}/health").raise_for_status()
+        return replica.client
+
+    def score(self, batch, temperature):
+        """
+        [`served_teacher_logps`] of `batch` over the pool: float32 `(B, T)` on the CPU, NaN where a server gave no
+        value, 0 at padding. Raises a `ConnectionError` naming every replica when a chunk fails past the retry budget.
+        """
+        import requests
+
+        start = time.perf_counter()
+        rows = batch["completion_ids"].size(0)
+        size = self.chunk_rows or (rows if len(self.replicas) == 1 else math.ceil(rows / (4 * len(self.replicas))))
+        chunks = [slice(first, first + size) for first in range(0, rows, max(size, 1))]
+        logps = torch.empty(batch["completion_ids"].shape, dtype=torch.float32)
+        pending, attempts = list(range(len(chunks))), [0] * len(chunks)
+        not_before, avoid = [0.0] * len(chunks), [None] * len(chunks)
+        running, in_flight, retried = {}, dict.fromkeys(self.replicas, 0), 0
+        executor = ThreadPoolExecutor(max_workers=len(self.replicas) * (self.max_in_flight + 1))
+        try:
+            while pending or any(chunk is not None for _, chunk in running.values()):
+                now = time.monotonic()
+                probing = {replica for replica, chunk in running.values() if chunk is None}
+                for replica in self.replicas:
+                    if not self._is_up(replica) and replica.down_until <= now and replica not in probing:
+                        running[executor.submit(self._probe, replica)] = (replica, None)
+                for chunk in [chunk for chunk in pending if not_before[chunk] <= now]:
+                    replica = self._pick(in_flight, avoid[chunk])
+                    if replica is None:
+                        break
+                    pending.remove(chunk)
+                    in_flight[replica] += 1
+                    part = {key: batch[key][chunks[chunk]] for key in _BATCH_KEYS}
+                    future = executor.submit(served_teacher_logps, replica.client, part, temperature)
+                    running[future] = (replica, chunk)
+                events = [not_before[chunk] for chunk in pending] + [
+                    replica.down_until for replica in self.replicas if not self._is_up(replica)
+                ]
+                later = [event - now for event in events if event > now]
+                done, _ = wait(running, timeout=min(later, default=None), return_when=FIRST_COMPLETED)
+                for future in done:
+                    replica, chunk = running.pop(future)
+                    if chunk is not None:
+                        in_flight[replica] -= 1
+                    try:
+                        result = future.result()
+                    except requests.exceptions.RequestException as error:
+                        self._failed(replica)
+                        if chunk is None:
+                            continue
+                        attempts[chunk] += 1
+                        if attempts[chunk] > self.retries:
+                            raise ConnectionError(
+                                f"{self.what[0].upper()}{self.what[1:]} failed to score rows {chunks[chunk].start}-"
+                                f"{min(chunks[chunk].stop, rows) - 1} of the rollout {attempts[chunk]} times, across "
+                                f"its replicas {', '.join(self.urls)}; the last "
+                                f"error, from {replica.url}: {error}. The step stops here, before any update from "
+                                "partial teacher values: bring the servers back (or fix the URLs) and resume from "
+                                "the last checkpoint."
+                            ) from error
+                        retried += 1
+                        not_before[chunk] = time.monotonic() + self.backoff * 2 ** (attempts[chunk] - 1)
+                        avoid[chunk] = replica
+                        pending.append(chunk)
+                        continue
+                    replica.failures = 0
+                    if chunk is None:
+                        replica.client = result
+                    else:
+                        logps[chunks[chunk]] = result
+        finally:
+            # Requests still in flight after a failure finish (or time out) in the background; nothing waits on them
+            executor.shutdown(wait=False, cancel_futures=True)
+        self.last_stats = {
+            "request_seconds": time.perf_counter() - start,
+            "retries": retried,
+            "replicas_down": sum(not self._is_up(replica) for replica in self.replicas),
+        }
+        return logps
+
+    def _pick(self, in_flight, avoid):
+        """The replica for a chunk: the least busy up one, preferring one other than `avoid` (where the chunk just
+        failed); with none up, any that has a client. `None` while every candidate's slots are full."""
+        up = [replica for replica in self.replicas if self._is_up(replica)]
+        candidates = [
+            replica
+            for replica in (up or self.replicas)
+            if replica.client is not None and in_flight[replica] < self.max_in_flight
+        ]
+        return min(
+            candidates,
+            key=lambda replica: (replica is avoid, in_flight[replica], self.replicas.index(replica)),
+            default=None,
+        )
+
+    def _failed(self, replica):
+        replica.failures += 1
+        if replica.failures >= self.max_failures:
+            replica.down_until = time.monotonic() + self.cooldown
+
+
+def connect_teacher_pool(urls, timeout, what, **kwargs):
+    """
+    A [`TeacherServerPool`] of the vLLM servers at `urls` (a URL or a list of replicas), each probed on its health check
+    for up to `timeout` seconds, all at once, before any model loads. None answering is a `ConnectionError` that names
+    every URL and the fix; some not answering is a warning that names them, and the pool starts with them set aside.
+    `kwargs` go to the pool.
+    """
+    urls = [urls] if isinstance(urls, str) else list(urls)
+    with ThreadPoolExecutor(max_workers=len(urls)) as executor:
+        futures = [executor.submit(connect_server, url, timeout, what) for url in urls]
+    replicas, errors = [], []
+    for url, future in zip(urls, futures, strict=True):
+        try:
+            replicas.append(_Replica(url, client=future.result()))
+        except ConnectionError as error:
+            replicas.append(_Replica(url))
+            errors.append(error)
+    if len(errors) == len(urls):
+        if len(urls) == 1:
+            raise errors[0]
+        raise ConnectionError(
+            f"None of the {len(urls)} replicas of {what} answered within {timeout} s: {', '.join(urls)}. Start them "
+            "first (e.g. `trl vllm-serve --model <model>` on each) or fix the URLs; `teacher_model_server_timeout` "
+            "sets how long to wait."
+        ) from errors[0]
+    pool = TeacherServerPool(replicas, what, **kwargs)
+    down = [replica for replica in replicas if replica.client is None]
+    for replica in down:
+        replica.failures, replica.down_until = pool.max_failures, time.monotonic() + pool.cooldown
+    if down:
+        warnings.warn(
+            f"{what[0].upper()}{what[1:]}: {len(down)} of its {len(urls)} replicas did not answer within {timeout} s "
+            f"({', '.join(replica.url for replica in down)}). Training starts on the others, which score their "
+            f"share, and probes these again every {pool.cooldown:g} s.",
+            stacklevel=2,
+        )
+    return pool

@@ -36,7 +36,8 @@ SINGLE_TEACHER = "teacher"
 
 @dataclass
 class Teacher:
-    """One teacher of a run: a prepared local `model` or the `client` of its server (the other is `None`)."""
+    """One teacher of a run: a prepared local `model`, or as `client` the `TeacherServerPool` of its server's replicas
+    (the other is `None`)."""
 
     name: str
     model: Any = None
@@ -47,28 +48,37 @@ class Teacher:
         return self.client is not None
 
 
-def teacher_sources(teacher_model, server_url) -> tuple[dict[str, Any], dict[str, str]]:
-    """`(local, served)`: `{name: model or path}` and `{name: URL}`, from the trainer's `teacher_model` and the config's
-    `teacher_model_server_url`. Raises a `ValueError` naming the fix for an empty teacher, a name given twice, or a
-    mapping beside an unnamed teacher."""
+def teacher_sources(teacher_model, server_url) -> tuple[dict[str, Any], dict[str, str | list[str]]]:
+    """`(local, served)`: `{name: model or path}` and `{name: URL or list of replica URLs}`, from the trainer's
+    `teacher_model` and the config's `teacher_model_server_url`. Raises a `ValueError` naming the fix for an empty
+    teacher or replica, a name given twice, or a mapping beside an unnamed teacher."""
     named = isinstance(teacher_model, Mapping) or isinstance(server_url, Mapping)
     if named and not (teacher_model is None or isinstance(teacher_model, Mapping)):
         raise ValueError("With several teachers, `teacher_model` is a mapping {name: model or path} too.")
     if named and not (server_url is None or isinstance(server_url, Mapping)):
-        raise ValueError("With several teachers, `teacher_model_server_url` is a mapping {name: URL} too.")
+        raise ValueError(
+            "With several teachers, `teacher_model_server_url` is a mapping {name: URL or list of replica URLs} too."
+        )
     if not named:
         local = {} if teacher_model is None else {SINGLE_TEACHER: teacher_model}
         served = {} if server_url is None else {SINGLE_TEACHER: server_url}
-        return local, served
-    local, served = dict(teacher_model or {}), dict(server_url or {})
-    both = sorted(set(local) & set(served))
-    if both:
-        raise ValueError(f"Teacher {both[0]!r} is both a local model and a server: name each teacher once.")
-    for name, source in {**local, **served}.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"Teacher names are non-empty strings, got {name!r}.")
-        if source is None or (isinstance(source, str) and not source.strip()):
-            raise ValueError(f"Teacher {name!r} is empty: give it a model, a local path, a Hub id or a server URL.")
+    else:
+        local, served = dict(teacher_model or {}), dict(server_url or {})
+        both = sorted(set(local) & set(served))
+        if both:
+            raise ValueError(f"Teacher {both[0]!r} is both a local model and a server: name each teacher once.")
+        for name, source in {**local, **served}.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"Teacher names are non-empty strings, got {name!r}.")
+            if source is None or (isinstance(source, str) and not source.strip()):
+                raise ValueError(
+                    f"Teacher {name!r} is empty: give it a model, a local path, a Hub id or a server URL."
+                )
+    for name, urls in served.items():
+        if not isinstance(urls, str) and not (urls and all(isinstance(url, str) and url.strip() for url in urls)):
+            raise ValueError(
+                f"The server replicas of teacher {name!r} are {urls!r}: give a URL or a non-empty list of URLs."
+            )
     return local, served
 
 

@@ -38,6 +38,7 @@ from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .scoring import CompletionScoringMixin
+from .served_teacher import connect_teacher_pool
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
 from .tv import tv_estimate
@@ -143,9 +144,9 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         if args.use_vllm and args.vllm_mode == "server":
             url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
             connect_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
-        clients = {
-            name: connect_server(url, args.teacher_model_server_timeout, f"the teacher server {name!r}")
-            for name, url in served_teachers.items()
+        pools = {
+            name: connect_teacher_pool(urls, args.teacher_model_server_timeout, f"the teacher server {name!r}")
+            for name, urls in served_teachers.items()
         }
         check_paths(model, local_teachers)
         teacher_tokenizers = teacher_processing_classes(teacher_processing_class, [*local_teachers, *served_teachers])
@@ -177,7 +178,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             self.teachers[name] = Teacher(name, model=prepare_teacher(self, name, source))
         if local_teachers:
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
-        self.teachers.update({name: Teacher(name, client=client) for name, client in clients.items()})
+        self.teachers.update({name: Teacher(name, client=pool) for name, pool in pools.items()})
         self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
         restrict_sampling_to_tokenizer(self)
         check_loaded_trainer(self, teacher_tokenizers)
