@@ -33,6 +33,8 @@ METHOD_KEYS = {"output_dir", "advantage_mode", "advantage_clip_low", "advantage_
 METHOD_KEYS |= {"tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps"}
 # ... and the vLLM variants in their rollout engine and, for a server on half the GPUs, their process layout.
 VLLM_KEYS = {"use_vllm", "num_processes", "gradient_accumulation_steps"}
+# ... and a served teacher in where it runs.
+SERVED_TEACHER_KEYS = {"teacher_model_server_url", "teacher_model_server_timeout", "teacher_model_init_kwargs"}
 
 
 def load(path):
@@ -155,6 +157,7 @@ def test_recipes_of_a_pair_share_its_budget(pair):
             continue
         recipe = load(path)
         allowed = METHOD_KEYS | (VLLM_KEYS if recipe.get("use_vllm") else set())
+        allowed |= SERVED_TEACHER_KEYS if recipe.get("teacher_model_server_url") else set()
         differing = {key for key in reference.keys() | recipe.keys() if reference.get(key) != recipe.get(key)}
         differing -= {key for key in differing if key.startswith("vllm_") and recipe.get("use_vllm")}
         assert differing <= allowed, f"{rel(path)} also changes {sorted(differing - allowed)}"
