@@ -58,7 +58,8 @@ def test_every_tiny_recipe_parses_into_its_mode():
             continue
         _, training_args = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", "unused"])
         modes[recipe.stem] = training_args.advantage_mode
-    assert modes == {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
+    expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
+    assert modes == {**expected, "multi_teacher": "tv"}
 
 
 def test_console_command_launches_through_accelerate(tmp_path):
@@ -89,3 +90,27 @@ def test_recipe_keys_for_accelerate_do_not_break_the_script(tmp_path):
     recipe.write_text((RECIPES / "sign.yaml").read_text() + "num_processes: 1\n")
     run(["--config", str(recipe), "--output_dir", str(tmp_path / "out"), *SHORT])
     check_outputs(tmp_path / "out", "sign", steps=4)
+
+
+def test_the_multi_teacher_job_reports_each_skill_and_each_teacher(tmp_path):
+    assert run(["--config", str(RECIPES / "multi_teacher.yaml"), "--output_dir", str(tmp_path), *SHORT]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    skills = summary["skills"]
+    assert list(skills) == ["tiny", "tiny-subtraction"]
+    # Each teacher masters only its own skill; a skill's teacher is the one that knows it
+    teachers = summary["teachers"]
+    assert teachers["addition"]["tiny"] > 0.9 > teachers["addition"]["tiny-subtraction"]
+    assert teachers["subtraction"]["tiny-subtraction"] > 0.9 > teachers["subtraction"]["tiny"]
+    for name, skill in skills.items():
+        assert skill["teacher_accuracy"] == max(teachers["addition"][name], teachers["subtraction"][name])
+        gap = (skill["student_accuracy_after"] - skill["student_accuracy_before"]) / (
+            skill["teacher_accuracy"] - skill["student_accuracy_before"]
+        )
+        assert skill["gap_closed"] == pytest.approx(gap)
+    # The top-level keys stay, over all skills
+    mean = (skills["tiny"]["student_accuracy_after"] + skills["tiny-subtraction"]["student_accuracy_after"]) / 2
+    assert summary["student_accuracy_after"] == pytest.approx(mean)
+    assert [step for step, _ in summary["accuracy_curves"]] == [0, 2, 4]
+    assert set(summary["final_tv_scales"]) == {"tv/addition/scale", "tv/subtraction/scale"}
+    for name in PLOTS:
+        assert (tmp_path / name).is_file()

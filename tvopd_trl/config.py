@@ -149,7 +149,11 @@ class TVOPDConfig(DistillationConfig):
     >   the TV scheduler.
     """
 
-    _VALID_DICT_FIELDS = DistillationConfig._VALID_DICT_FIELDS + ["advantage_kwargs", "teacher_model_server_url"]
+    _VALID_DICT_FIELDS = DistillationConfig._VALID_DICT_FIELDS + [
+        "advantage_kwargs",
+        "teacher_model_name_or_path",
+        "teacher_model_server_url",
+    ]
 
     # Parameters whose default values are overridden from DistillationConfig / TrainingArguments
     disable_dropout: bool = field(
@@ -233,6 +237,12 @@ class TVOPDConfig(DistillationConfig):
     )
     vllm_importance_sampling_cap: float = field(
         default=3.0, metadata={"help": "Truncation of the vLLM importance-sampling ratio."}
+    )
+
+    # Several teachers: a mapping by name (docs/multi-teacher.md)
+    teacher_model_name_or_path: dict[str, str] | str | None = field(
+        default=None,
+        metadata={"help": "Teacher model name or path, or a JSON object {name: path} of several teachers."},
     )
 
     # Parameters that control a served teacher

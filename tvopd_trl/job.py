@@ -31,6 +31,8 @@ from .eval.generation import PAPER_TEMPERATURE, PAPER_TOP_K, PAPER_TOP_P
 from .packaged_recipes import find_recipe
 
 
+# The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
+EMBEDDED_TASKS = ("addition", "multi_teacher")
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
 CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
@@ -47,7 +49,13 @@ class MainJobArguments:
         model_name_or_path (`str`, *optional*):
             Student model id or path. Defaults to the embedded tiny student. The teacher is the config's
             `teacher_model_name_or_path`, defaulting to the embedded tiny teacher, or the server at the config's
-            `teacher_model_server_url` (then `teacher_model_name_or_path`, if set, only names its tokenizer).
+            `teacher_model_server_url` (then `teacher_model_name_or_path`, if set, only names its tokenizer). Several
+            teachers are a mapping `{name: path}` there (a JSON object on the command line), each prompt routed by
+            the dataset's `teacher_id` column (docs/multi-teacher.md).
+        embedded_task (`str`, *optional*, defaults to `"addition"`):
+            The embedded default the job runs without a model, teacher or dataset of its own: `"addition"` (the tiny
+            pair) or `"multi_teacher"` (the tiny family's student weak at addition and subtraction, one teacher per
+            skill, the prompts of both skills routed to their teacher).
         dataset_name (`str`, *optional*):
             Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
             task's OPD prompt split.
@@ -61,7 +69,8 @@ class MainJobArguments:
             first of `prompt`, `question` and `problem` that exists. Every other column is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
-            the embedded task's held-out split, `tiny`) or a JSONL file with `id`, `problem` and `answer` fields.
+            the embedded tasks' held-out splits, `tiny` and `tiny-subtraction`) or a JSONL file with `id`, `problem`
+            and `answer` fields. Several, comma-separated, are evaluated each (per skill in the summary) and averaged.
         eval_data_dir (`str`, *optional*):
             Where the paper's benchmarks are read from: a folder with `<benchmark>.jsonl` files, or `hub` for their
             Hub datasets. Defaults to the copies that ship with the package (offline).
@@ -89,6 +98,10 @@ class MainJobArguments:
     """
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
+    embedded_task: str = field(
+        default="addition",
+        metadata={"help": "Embedded default without a model or dataset of its own.", "choices": EMBEDDED_TASKS},
+    )
     dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration of `dataset_name`."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split of `dataset_name` to train on."})
@@ -190,22 +203,28 @@ def check_model_source(name, what):
 
 
 def load_job(job_args, training_args):
-    """The job's student and teacher paths (the teacher's is None when only served), the student's tokenizer and the
-    prompt dataset."""
+    """The job's student and teacher paths (the teacher's is None when only served, a mapping by name with several), the
+    student's tokenizer and the prompt dataset."""
     from . import tiny
     from .prompts import to_prompt_dataset
 
     served = training_args.teacher_model_server_url is not None
-    student_path = job_args.model_name_or_path or tiny.student_path()
+    multi_teacher = job_args.embedded_task == "multi_teacher"
+    family = tiny.multi_teacher_paths() if multi_teacher else {"student": tiny.student_path(), "teachers": None}
+    student_path = job_args.model_name_or_path or family["student"]
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
-    teacher_path = training_args.teacher_model_name_or_path or (None if served else tiny.teacher_path())
+    embedded_teacher = None if served else family["teachers"] or tiny.teacher_path()
+    teacher_path = training_args.teacher_model_name_or_path or embedded_teacher
     check_model_source(student_path, "`model_name_or_path`")
-    if teacher_path is not None:
+    if isinstance(teacher_path, dict):
+        for name, path in teacher_path.items():
+            check_model_source(path, f"`teacher_model_name_or_path[{name!r}]`")
+    elif teacher_path is not None:
         check_model_source(teacher_path, "`teacher_model_name_or_path`")
     remote_code = training_args.trust_remote_code  # False unless the user sets it
     tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left", trust_remote_code=remote_code)
     if job_args.dataset_name is None:
-        train_dataset = tiny.prompt_dataset("opd")
+        train_dataset = tiny.multi_skill_prompt_dataset("opd") if multi_teacher else tiny.prompt_dataset("opd")
     else:
         train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
         train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
@@ -213,7 +232,8 @@ def load_job(job_args, training_args):
 
 
 class Accuracy:
-    """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy."""
+    """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy, on each of the job's
+    benchmarks (`eval_benchmark`, comma-separated) and averaged over them."""
 
     def __init__(self, job_args, tokenizer):
         self.job_args, self.tokenizer = job_args, tokenizer
@@ -225,20 +245,27 @@ class Accuracy:
             max_new_tokens=job_args.eval_max_new_tokens,
         )
         self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
-        load_problems(job_args.eval_benchmark, **self.options)  # a bad name or file fails before any training
+        self.benchmarks = [get_benchmark(name.strip()) for name in job_args.eval_benchmark.split(",")]
+        for benchmark in self.benchmarks:
+            load_problems(benchmark.name, **self.options)  # a bad name or file fails before any training
 
-    def __call__(self, model, greedy=False, output_dir=None, model_id=None):
-        """mean@k (or greedy accuracy) of `model`; with `output_dir`, records land there under `model_id`."""
+    def scores(self, model, greedy=False, output_dir=None, model_id=None):
+        """`{benchmark: mean@k}` (or greedy accuracy) of `model`; with `output_dir`, records land there under
+        `model_id`."""
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
         settings = (
             SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
         )
         generator = TransformersGenerator(model, self.tokenizer, self.job_args.eval_batch_size)
-        benchmark = get_benchmark(self.job_args.eval_benchmark)
         results = evaluate(
-            generator, [benchmark], settings or self.settings, output_dir, model=model_id, **self.options
+            generator, self.benchmarks, settings or self.settings, output_dir, model=model_id, **self.options
         )
-        return mean_at_k(results["benchmarks"][benchmark.name])
+        return {name: mean_at_k(result) for name, result in results["benchmarks"].items()}
+
+    def __call__(self, model, greedy=False, output_dir=None, model_id=None):
+        """The mean over the benchmarks of `scores`."""
+        scores = self.scores(model, greedy, output_dir, model_id)
+        return sum(scores.values()) / len(scores)
 
 
 def check_job_arguments(job_args, training_args, state):

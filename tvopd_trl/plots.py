@@ -63,11 +63,18 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
     paths.append(_save(figure, output_dir, "accuracy.png"))
 
     figure, (left, right) = _subplots(2, figsize=(10, 4))
-    for key in ("tv/estimate", "tv/ema", "tv/reference"):
-        left.plot(*_series(log_history, key), label=key)
+    # With a scale per teacher, `tv/<teacher>/ema` and `tv/<teacher>/scale` replace `tv/ema` and `tv/scale`
+    teachers = sorted(
+        {key.split("/")[1] for entry in log_history for key in entry if key.count("/") == 2 and key.startswith("tv/")}
+    )
+    for key in ("tv/estimate", "tv/ema", "tv/reference", *(f"tv/{name}/ema" for name in teachers)):
+        if any(key in entry for entry in log_history):
+            left.plot(*_series(log_history, key), label=key)
     left.set(xlabel="optimizer step", ylabel="total variation", title="On-policy TV estimate")
     left.legend()
-    right.plot(*_series(log_history, "tv/scale"), color="tab:red", label="tv/scale (c_k)")
+    for key in ("tv/scale", *(f"tv/{name}/scale" for name in teachers)):
+        if any(key in entry for entry in log_history):
+            right.plot(*_series(log_history, key), label=f"{key} (c_k)")
     right.set(xlabel="optimizer step", ylabel="c_k", ylim=(0, 1.05), title="TV-OPD scale")
     right.legend()
     paths.append(_save(figure, output_dir, "tv.png"))

@@ -130,8 +130,9 @@ BENCHMARKS = BenchmarkRegistry(
             "test",
             {"id": "unique_id", "problem": "problem", "answer": "answer"},
         ),
-        # The embedded task's held-out split, defined beside the task.
+        # The embedded tasks' held-out splits, defined beside the tasks.
         "tiny": "tvopd_trl.tiny:tiny_benchmark",
+        "tiny-subtraction": "tvopd_trl.tiny.accuracy:tiny_subtraction_benchmark",
     }
 )
 

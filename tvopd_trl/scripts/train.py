@@ -49,7 +49,7 @@ def main(job_args, training_args):
     from accelerate import PartialState
     from rich.console import Console
 
-    from ..eval import BenchmarkEvalCallback, get_benchmark, mean_at_k, step_dir
+    from ..eval import BenchmarkEvalCallback, mean_at_k, step_dir
     from ..plots import plot_run
     from ..trainer import TVOPDTrainer
 
@@ -67,18 +67,14 @@ def main(job_args, training_args):
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
-        teacher_processing_class=(
-            AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=training_args.trust_remote_code)
-            if teacher_path
-            else None
-        ),
+        teacher_processing_class=_teacher_tokenizers(teacher_path, training_args.trust_remote_code),
     )
     trainer.dataset_name = job_args.dataset_name  # for the model card
     curve = None
     if accuracy is not None and job_args.eval_every_steps > 0:
         curve = BenchmarkEvalCallback(
             trainer,
-            [job_args.eval_benchmark],
+            [benchmark.name for benchmark in accuracy.benchmarks],
             job_args.eval_every_steps,
             accuracy.settings,
             at_start=False,
@@ -93,45 +89,62 @@ def main(job_args, training_args):
         kept = f"{out}/eval-{time.strftime('%Y%m%d-%H%M%S')}"
         os.rename(f"{out}/eval", kept)
         print(f"{out}/eval held an earlier run's evaluations: moved to {kept}")
+    scores = {}  # "student_accuracy_before", ..., "teacher_accuracy" -> {benchmark: accuracy}
+    teacher_scores = {}  # teacher name -> {benchmark: accuracy}
     if accuracy is not None and state.is_main_process:
         student = trainer.accelerator.unwrap_model(trainer.model)
-        if job_args.eval_teacher and not served:  # a served teacher is not in this process to evaluate
-            teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
-            teacher_dir = os.path.join(training_args.output_dir, "eval", "teacher")
-            results["teacher_accuracy"], results["teacher_accuracy_greedy"] = (
-                accuracy(teacher, False, teacher_dir, model_id=teacher_path),
-                accuracy(teacher, True),
-            )
-        results["student_accuracy_before"] = accuracy(
+        if job_args.eval_teacher:  # a served teacher is not in this process to evaluate
+            for name, teacher in trainer.teachers.items():
+                if teacher.served:
+                    continue
+                model = trainer.accelerator.unwrap_model(teacher.model)
+                single = len(trainer.teachers) == 1
+                teacher_dir = os.path.join(out, "eval", "teacher" if single else f"teacher-{name}")
+                model_id = teacher_path if single else teacher_path[name]
+                teacher_scores[name] = accuracy.scores(model, False, teacher_dir, model_id=model_id)
+                teacher_scores[f"{name}_greedy"] = accuracy.scores(model, greedy=True)
+            if teacher_scores:
+                # A benchmark's teacher is the one that knows it best: with several teachers, the one routed its skill
+                for suffix in ("", "_greedy"):
+                    runs = [run for name, run in teacher_scores.items() if name.endswith("_greedy") == bool(suffix)]
+                    best = {
+                        benchmark.name: max(run[benchmark.name] for run in runs) for benchmark in accuracy.benchmarks
+                    }
+                    scores[f"teacher_accuracy{suffix}"] = best
+        scores["student_accuracy_before"] = accuracy.scores(
             student, output_dir=step_dir(out, 0, job_args.eval_k), model_id=os.path.abspath(out)
         )
-        results["student_accuracy_before_greedy"] = accuracy(student, greedy=True)
+        scores["student_accuracy_before_greedy"] = accuracy.scores(student, greedy=True)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
     train_seconds = time.perf_counter() - train_start
     trainer.save_model(training_args.output_dir)
 
     if state.is_main_process:
-        history = [
-            (step, mean_at_k(r["benchmarks"][get_benchmark(job_args.eval_benchmark).name]))
+        # The curve: per benchmark, and averaged over them
+        curves = [
+            (step, {name: mean_at_k(result) for name, result in r["benchmarks"].items()})
             for step, r in (curve.history if curve else [])
         ]
         final_step = trainer.state.global_step
         if accuracy is not None:
             student = trainer.accelerator.unwrap_model(trainer.model)  # the trainer may have re-wrapped it
-            evaluated = dict(history)
+            evaluated = dict(curves)
             if final_step in evaluated:
-                results["student_accuracy_after"] = evaluated[final_step]
+                scores["student_accuracy_after"] = evaluated[final_step]
             else:
-                results["student_accuracy_after"] = accuracy(
+                scores["student_accuracy_after"] = accuracy.scores(
                     student, output_dir=step_dir(out, final_step, job_args.eval_k), model_id=os.path.abspath(out)
                 )
-                history.append((final_step, results["student_accuracy_after"]))
-            results["student_accuracy_after_greedy"] = accuracy(student, greedy=True)
-        if "student_accuracy_before" in results:
-            history = [(0, results["student_accuracy_before"]), *history]
+                curves.append((final_step, scores["student_accuracy_after"]))
+            scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True)
+        if "student_accuracy_before" in scores:
+            curves = [(0, scores["student_accuracy_before"]), *curves]
+        results.update({key: sum(values.values()) / len(values) for key, values in scores.items()})
+        history = [(step, sum(values.values()) / len(values)) for step, values in curves]
         plots = plot_run(trainer.state.log_history, history, training_args.output_dir, results.get("teacher_accuracy"))
-        last = next((e for e in reversed(trainer.state.log_history) if "tv/scale" in e), {})
+        last = next((e for e in reversed(trainer.state.log_history) if "tv/estimate" in e), {})
+        scales = {key: value for key, value in last.items() if key.startswith("tv/") and key.endswith("/scale")}
         summary = {
             "advantage_mode": training_args.advantage_mode,
             "steps": trainer.state.global_step,
@@ -139,9 +152,14 @@ def main(job_args, training_args):
             "train_seconds": train_seconds,
             **results,
             "gap_closed": _gap_closed(results),
+            # Several benchmarks (the multi-teacher task's skills): each one's accuracies and gap
+            **({"skills": _skills(scores)} if accuracy is not None and len(accuracy.benchmarks) > 1 else {}),
+            **({"teachers": teacher_scores} if len(trainer.teachers) > 1 else {}),
             "final_tv_scale": last.get("tv/scale"),
+            **({"final_tv_scales": scales} if len(scales) > 1 else {}),
             "final_tv_estimate": last.get("tv/estimate"),
             "accuracy_curve": history,
+            **({"accuracy_curves": curves} if accuracy is not None and len(accuracy.benchmarks) > 1 else {}),
             "student": student_path,
             "teacher": training_args.teacher_model_server_url if served else teacher_path,
             "plots": [os.path.basename(path) for path in plots],
@@ -163,6 +181,24 @@ def _resume_argument(value):
     return True if value is not None and value.lower() in ("last", "true") else value
 
 
+def _teacher_tokenizers(teacher_path, trust_remote_code):
+    def load(path):
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+    if isinstance(teacher_path, dict):
+        return {name: load(path) for name, path in teacher_path.items()}
+    return load(teacher_path) if teacher_path else None
+
+
+def _skills(scores):
+    """Per benchmark: the student's accuracies before and after, its teacher's, and the gap closed there."""
+    benchmarks = scores["student_accuracy_before"]
+    skills = {name: {key: values[name] for key, values in scores.items()} for name in benchmarks}
+    for skill in skills.values():
+        skill["gap_closed"] = _gap_closed(skill)
+    return skills
+
+
 def _gap_closed(results):
     """(after - before) / (teacher - before): the share of the teacher-student gap the run closed."""
     keys = ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy")
@@ -178,12 +214,24 @@ def _summary_table(summary):
     args = summary["job_args"]
     table = Table(title=f"TV-OPD main job ({summary['advantage_mode']}, {summary['steps']} steps)")
     table.add_column("held-out accuracy", justify="left")
-    table.add_column(f"mean@{args['eval_k']}", justify="right")
-    table.add_column("greedy", justify="right")
 
     def fmt(value):
         return "-" if value is None else f"{100 * value:.1f}%"
 
+    skills = summary.get("skills")
+    if skills:  # mean@k per skill, and each teacher on every skill
+        for skill in skills:
+            table.add_column(f"{skill} mean@{args['eval_k']}", justify="right")
+        for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
+            table.add_row(label, *(fmt(skill.get(key)) for skill in skills.values()))
+        for name, run in summary.get("teachers", {}).items():
+            if not name.endswith("_greedy"):
+                table.add_row(f"teacher {name}", *(fmt(run.get(skill)) for skill in skills))
+        if "teachers" not in summary:
+            table.add_row("teacher", *(fmt(skill.get("teacher_accuracy")) for skill in skills.values()))
+        return table
+    table.add_column(f"mean@{args['eval_k']}", justify="right")
+    table.add_column("greedy", justify="right")
     for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
         table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
     table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
@@ -192,11 +240,23 @@ def _summary_table(summary):
 
 def _summary_footer(summary, output_dir):
     args, gap, scale = summary["job_args"], summary.get("gap_closed"), summary.get("final_tv_scale")
+
+    def percent(value):
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    gaps = f"gap closed: {percent(gap)}"
+    if summary.get("skills"):
+        gaps += " (" + ", ".join(f"{name} {percent(skill['gap_closed'])}" for name, skill in summary["skills"].items())
+        gaps += ")"
+    scales = summary.get("final_tv_scales")
+    if scales:
+        scale_text = "final " + ", ".join(f"{key} {value:.3f}" for key, value in scales.items())
+    else:
+        scale_text = f"final tv/scale {'-' if scale is None else f'{scale:.3f}'}"
     return (
         f"{args['eval_problems']} held-out problems, sampled at T={args['eval_temperature']}, top-p "
         f"{args['eval_top_p']}, top-k {args['eval_top_k']}\n"
-        f"gap closed: {'-' if gap is None else f'{100 * gap:.0f}%'} · final tv/scale "
-        f"{'-' if scale is None else f'{scale:.3f}'} · {summary['wall_seconds']:.0f} s\n"
+        f"{gaps} · {scale_text} · {summary['wall_seconds']:.0f} s\n"
         f"plots and summary.json in {output_dir}"
     )
 
