@@ -114,3 +114,29 @@ def test_the_multi_teacher_job_reports_each_skill_and_each_teacher(tmp_path):
     assert set(summary["final_tv_scales"]) == {"tv/addition/scale", "tv/subtraction/scale"}
     for name in PLOTS:
         assert (tmp_path / name).is_file()
+
+
+def test_the_accuracy_curve_evaluates_the_named_jsonl_file_at_every_step(tmp_path):
+    # A file whose stem is a registered name ("tiny") must still be the file, at every point of the curve
+    problems = tmp_path / "data" / "tiny.jsonl"
+    problems.parent.mkdir()
+    rows = [{"id": f"sub-{i}", "problem": f"Compute {50 + i} - {10 + i}.", "answer": "40"} for i in range(8)]
+    problems.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    assert (
+        run(
+            [
+                "--config",
+                str(RECIPES / "tvopd.yaml"),
+                "--output_dir",
+                str(out),
+                "--eval_benchmark",
+                str(problems),
+                *SHORT,
+            ]
+        )
+        == 0
+    )
+    for step in (0, 2, 4):
+        records = (out / "eval" / "mean@2" / f"step-{step}" / "tiny.jsonl").read_text().splitlines()
+        assert {json.loads(line)["problem_id"] for line in records} == {row["id"] for row in rows}, step

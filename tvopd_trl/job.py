@@ -245,9 +245,10 @@ class Accuracy:
             max_new_tokens=job_args.eval_max_new_tokens,
         )
         self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
-        self.benchmarks = [get_benchmark(name.strip()) for name in job_args.eval_benchmark.split(",")]
-        for benchmark in self.benchmarks:
-            load_problems(benchmark.name, **self.options)  # a bad name or file fails before any training
+        self.names = [name.strip() for name in job_args.eval_benchmark.split(",")]  # registered names or JSONL files
+        self.benchmarks = [get_benchmark(name) for name in self.names]
+        for name in self.names:
+            load_problems(name, **self.options)  # a bad name or file fails before any training
 
     def scores(self, model, greedy=False, output_dir=None, model_id=None):
         """`{benchmark: mean@k}` (or greedy accuracy) of `model`; with `output_dir`, records land there under

@@ -74,7 +74,7 @@ def main(job_args, training_args):
     if accuracy is not None and job_args.eval_every_steps > 0:
         curve = BenchmarkEvalCallback(
             trainer,
-            [benchmark.name for benchmark in accuracy.benchmarks],
+            accuracy.names,
             job_args.eval_every_steps,
             accuracy.settings,
             at_start=False,

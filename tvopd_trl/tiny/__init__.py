@@ -29,15 +29,35 @@ pair (about 4 minutes, bit-identical).
 >>> student = AutoModelForCausalLM.from_pretrained(student_path())
 >>> evaluate_accuracy(student, tokenizer, "test")  # mean@4 at temperature 0.6, top-p 0.95, top-k 20
 ```
+
+The multi-teacher family (``checkpoints/multi_teacher``) adds a second skill, two-digit subtraction
+(``"Compute 86 - 47."`` -> ``\\boxed{39}``, ``a > b``), with the same tokenizer: a student weak at both skills and
+one teacher per skill that masters only its own, named by its skill (the `teacher_id` of the rows it supervises).
+Held-out accuracy (k=4, as above) on addition / subtraction: student 0.26 / 0.19, teacher ``"addition"`` 1.00 / 0.02,
+teacher ``"subtraction"`` 0.00 / 1.00. The main job's recipe, run per skill with one teacher, closes 94% of the addition
+gap in 300 steps, but not the subtraction one (0.19 -> 0.10): the student is not yet near its subtraction transition
+(a student at 0.31 closes 58% of it), an open issue.
+``python -m tvopd_trl.tiny.build --family multi-teacher`` rebuilds it (about 6 minutes, bit-identical; the default pair
+is unchanged).
+
+```python
+>>> from tvopd_trl.tiny import multi_skill_prompt_dataset, multi_teacher_paths
+
+>>> paths = multi_teacher_paths()  # {"student": ..., "teachers": {"addition": ..., "subtraction": ...}}
+>>> prompts = multi_skill_prompt_dataset("opd")  # columns prompt, answer, skill, teacher_id; both skills shuffled
+>>> student = AutoModelForCausalLM.from_pretrained(paths["student"])
+>>> evaluate_accuracy(student, tokenizer, "test", skill="subtraction")
+```
 """
 
 import os
 
 from .accuracy import evaluate_accuracy, tiny_benchmark
-from .task import SPLITS, problems, prompt_dataset
+from .task import SKILLS, SPLITS, multi_skill_prompt_dataset, problems, prompt_dataset
 
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
+MULTI_TEACHER_DIR = os.path.join(CHECKPOINTS_DIR, "multi_teacher")
 
 
 def teacher_path():
@@ -50,10 +70,23 @@ def student_path():
     return os.path.join(CHECKPOINTS_DIR, "student")
 
 
+def multi_teacher_paths():
+    """Directories of the shipped multi-teacher family: `{"student": path, "teachers": {teacher_id: path}}`, one
+    teacher per skill of `SKILLS`, keyed like TRL's `teacher_server_urls` (by the `teacher_id` of its rows)."""
+    return {
+        "student": os.path.join(MULTI_TEACHER_DIR, "student"),
+        "teachers": {skill: os.path.join(MULTI_TEACHER_DIR, skill) for skill in SKILLS},
+    }
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
+    "MULTI_TEACHER_DIR",
+    "SKILLS",
     "SPLITS",
     "evaluate_accuracy",
+    "multi_skill_prompt_dataset",
+    "multi_teacher_paths",
     "problems",
     "prompt_dataset",
     "student_path",

@@ -11,29 +11,42 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The embedded task as a benchmark of the evaluation module, and a model's accuracy on a split of it."""
+"""The embedded tasks as benchmarks of the evaluation module, and a model's accuracy on a split of one."""
 
 from ..eval import Benchmark, Problem, SamplingSettings, TransformersGenerator, evaluate, mean_at_k
-from .task import problems
+from .task import problems, symbol
 
 
-def tiny_benchmark(split="test"):
-    """The embedded tiny task's `split` as a benchmark (its held-out `"test"` split is registered as `"tiny"`)."""
+def tiny_benchmark(split="test", skill="addition"):
+    """The embedded tiny task's `split` of `skill` as a benchmark (addition's held-out `"test"` split is registered as
+    `"tiny"`; the others are named `tiny[-subtraction][-split]`)."""
 
     def load():
-        return [Problem(f"{p['a']}+{p['b']}", p["question"], p["answer"]) for p in problems(split)]
+        return [
+            Problem(f"{p['a']}{symbol(skill)}{p['b']}", p["question"], p["answer"]) for p in problems(split, skill)
+        ]
 
-    # The tiny pair was trained on the bare question, so its prompt carries no instruction.
-    name = "tiny" if split == "test" else f"tiny-{split}"
+    # The tiny models were trained on the bare question, so its prompt carries no instruction.
+    name = "tiny" if skill == "addition" else f"tiny-{skill}"
+    if split != "test":
+        name += f"-{split}"
     return Benchmark(name, name.capitalize(), prompt_template="{problem}", loader=load)
 
 
-def evaluate_accuracy(model, tokenizer, split="test", k=4, greedy=False, seed=0, max_new_tokens=16, batch_size=512):
-    """mean@k on `split` at the paper's sampling settings (T=0.6, top-p 0.95, top-k 20), or greedy accuracy."""
+def evaluate_accuracy(
+    model, tokenizer, split="test", k=4, greedy=False, seed=0, max_new_tokens=16, batch_size=512, skill="addition"
+):
+    """mean@k on `skill`'s `split` at the paper's sampling settings (T=0.6, top-p 0.95, top-k 20), or greedy
+    accuracy."""
     if greedy:
         settings = SamplingSettings(k=1, temperature=0, max_new_tokens=max_new_tokens)
     else:
         settings = SamplingSettings(k=k, max_new_tokens=max_new_tokens, seed=seed)
-    benchmark = tiny_benchmark(split)
+    benchmark = tiny_benchmark(split, skill)
     results = evaluate(TransformersGenerator(model, tokenizer, batch_size), [benchmark], settings)
     return mean_at_k(results["benchmarks"][benchmark.name])
+
+
+def tiny_subtraction_benchmark():
+    """The subtraction skill's held-out split, registered as `"tiny-subtraction"` (the multi-teacher family's)."""
+    return tiny_benchmark("test", "subtraction")

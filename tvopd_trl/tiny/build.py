@@ -33,6 +33,18 @@ accuracies of both (k=4 samples at temperature 0.6, top-p 0.95, top-k 20; and gr
 and written to ``DIR/build.json``. Training does not depend on the evaluations (they sample under a forked RNG), and
 the result is bit-identical from run to run. Measured here (one core of the 2-core CPU box, torch 2.13,
 transformers 5.24): 251 s; teacher 1.000 (k=4) / 1.000 (greedy), student 0.332 / 0.384.
+
+The multi-teacher family (``--family multi-teacher``: ``DIR/student``, ``DIR/addition``, ``DIR/subtraction``) reuses
+the tokenizer (unchanged: its corpus already holds every token of ``"Compute 86 - 47."``), the architecture and the
+optimizer:
+
+1. One model trained from scratch on both skills' ``"sft"`` splits, half of every batch each, at the constant peak
+   rate; the student is picked as in step 3, with every skill's dev accuracy at or below the threshold, and training
+   stops at the first checkpoint above it (step 580 with the default seed: dev addition 0.28, subtraction 0.19).
+2. Each teacher continues from the student on its own skill's ``"sft"`` split only (a fresh AdamW, 50 warmup steps,
+   constant to step 200, cosine decay to step 600): it masters its skill and forgets the other one.
+
+``DIR/build.json`` holds every member's held-out accuracy on both skills.
 """
 
 import argparse
@@ -78,6 +90,15 @@ DEFAULTS = dict(
     transition_window=(150, 1500),
     dev_samples=1,
     checkpoint_every=10,
+    skills=("addition",),
+)
+MULTI_TEACHER_DEFAULTS = dict(
+    DEFAULTS,
+    skills=task.SKILLS,
+    total_steps=3000,
+    constant_until=3000,
+    transition_window=(150, 3000),
+    teacher=dict(total_steps=600, warmup_steps=50, constant_until=200),
 )
 
 
@@ -178,64 +199,125 @@ def learning_rate_at(step, settings):
     return peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def save_pair_member(model, tokenizer, path):
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+def sft_data(tokenizer, skills):
+    """The encoded `"sft"` rows of `skills` (one padded tensor triple, skill after skill) and each skill's row count."""
+    parts = [task.problems("sft", skill) for skill in skills]
+    return (*encode_sft(tokenizer, [row for part in parts for row in part]), [len(part) for part in parts])
 
 
-def heldout_report(model, tokenizer):
-    return {
-        "k4": evaluate_accuracy(model, tokenizer, "test", k=4, seed=0),
-        "greedy": evaluate_accuracy(model, tokenizer, "test", greedy=True),
-    }
+def sample_batch(sizes, batch_size, generator):
+    """Row indices of a batch that draws an equal share from each skill, whatever the sizes of their splits."""
+    indices, offset = [], 0
+    for size in sizes:
+        indices.append(offset + torch.randint(0, size, (batch_size // len(sizes),), generator=generator))
+        offset += size
+    return torch.cat(indices)
 
 
-def build(output_dir, keep_checkpoints=False, log=print, **overrides):
-    """Builds the pair into `output_dir` and returns a summary dict (also written to `output_dir/build.json`)."""
-    settings = {**DEFAULTS, **overrides}
-    start = time.time()
-    torch.set_num_threads(1)
-    seed_everything(settings["seed"])
-
-    tokenizer = build_tokenizer()
-    input_ids, attention_mask, labels = encode_sft(tokenizer, task.problems("sft"))
-    model = build_model(
-        tokenizer, settings["hidden_size"], settings["num_layers"], settings["num_heads"], settings["seed"]
-    )
+def train_steps(model, data, settings):
+    """Supervised training of `model` on `data` (from `sft_data`) with `settings`' schedule, seeded by its `seed`:
+    yields `(step, loss)` after each optimizer step, so the caller can evaluate (or stop) between steps."""
+    input_ids, attention_mask, labels, sizes = data
     model.train()
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=settings["learning_rate"], weight_decay=settings["weight_decay"], betas=(0.9, 0.98)
     )
     generator = torch.Generator().manual_seed(settings["seed"])
-    window_start, window_end = settings["transition_window"]
-    student_state, student_step, student_dev = None, None, None
-    searching = True  # until the first window checkpoint above the threshold: the transition has begun
-    history = []
     for step in range(1, settings["total_steps"] + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step, settings)
-        index = torch.randint(0, input_ids.size(0), (settings["batch_size"],), generator=generator)
+        index = sample_batch(sizes, settings["batch_size"], generator)
         loss = model(input_ids=input_ids[index], attention_mask=attention_mask[index], labels=labels[index]).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        yield step, loss.item()
 
+
+def search_student(model, tokenizer, settings, output_dir, keep_checkpoints, log, start, stop_at_student):
+    """Trains from scratch on the `"sft"` rows of `settings["skills"]`, evaluating each skill's `"dev"` accuracy every
+    `checkpoint_every` steps of the transition window: the student is the last checkpoint at or below
+    `student_max_dev_accuracy` on every skill before the first one above it on any. Returns the student's state and
+    a record of the search: the student's step and dev accuracy (its best skill's), and the evaluated window."""
+    window_start, window_end = settings["transition_window"]
+    student_state, student_step, student_dev = None, None, None
+    searching = True  # until the first window checkpoint above the threshold: the transition has begun
+    history = []
+    skills = settings["skills"]
+    for step, loss in train_steps(model, sft_data(tokenizer, skills), settings):
         in_window = window_start <= step <= window_end and step % settings["checkpoint_every"] == 0
         if in_window and (searching or (keep_checkpoints and (not history or history[-1]["dev"] < 0.8))):
-            dev_accuracy = evaluate_accuracy(model, tokenizer, "dev", k=settings["dev_samples"], seed=step)
-            history.append({"step": step, "loss": round(loss.item(), 4), "dev": dev_accuracy})
-            log(f"step {step:5d}  loss {loss.item():.4f}  dev {dev_accuracy:.3f}  ({time.time() - start:.0f}s)")
+            dev = {
+                skill: evaluate_accuracy(model, tokenizer, "dev", k=settings["dev_samples"], seed=step, skill=skill)
+                for skill in skills
+            }
+            dev_accuracy = max(dev.values())
+            history.append({"step": step, "loss": round(loss, 4), "dev": dev_accuracy})
+            if len(skills) > 1:
+                history[-1]["dev_by_skill"] = dev
+            by_skill = "".join(f"{skill} {accuracy:.3f}  " for skill, accuracy in dev.items()) if len(dev) > 1 else ""
+            log(f"step {step:5d}  loss {loss:.4f}  dev {dev_accuracy:.3f}  {by_skill}({time.time() - start:.0f}s)")
             if keep_checkpoints:
                 save_pair_member(model, tokenizer, os.path.join(output_dir, "checkpoints", f"step-{step}"))
             if searching and dev_accuracy <= settings["student_max_dev_accuracy"]:
                 student_state, student_step, student_dev = copy.deepcopy(model.state_dict()), step, dev_accuracy
             else:
                 searching = False
+                if stop_at_student:
+                    break
         elif step % 100 == 0:
-            log(f"step {step:5d}  loss {loss.item():.4f}  ({time.time() - start:.0f}s)")
+            log(f"step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f}s)")
     if student_state is None:
         raise RuntimeError("No checkpoint in the transition window was below the student accuracy threshold.")
+    return student_state, {"student_step": student_step, "student_dev": student_dev, "window": history}
+
+
+def save_pair_member(model, tokenizer, path):
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def heldout_report(model, tokenizer, skill="addition"):
+    return {
+        "k4": evaluate_accuracy(model, tokenizer, "test", k=4, seed=0, skill=skill),
+        "greedy": evaluate_accuracy(model, tokenizer, "test", greedy=True, skill=skill),
+    }
+
+
+def _start(settings):
+    torch.set_num_threads(1)
+    seed_everything(settings["seed"])
+    tokenizer = build_tokenizer()
+    model = build_model(
+        tokenizer, settings["hidden_size"], settings["num_layers"], settings["num_heads"], settings["seed"]
+    )
+    return tokenizer, model
+
+
+def _write_summary(output_dir, settings, model, start, search, **heldout):
+    summary = {
+        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "student_step": search["student_step"],
+        "student_dev": search["student_dev"],
+        **heldout,
+        "wall_time_s": round(time.time() - start, 1),
+        "window": search["window"],
+    }
+    with open(os.path.join(output_dir, "build.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def build(output_dir, keep_checkpoints=False, log=print, **overrides):
+    """Builds the pair into `output_dir` and returns a summary dict (also written to `output_dir/build.json`)."""
+    settings = {**DEFAULTS, **overrides}
+    start = time.time()
+    tokenizer, model = _start(settings)
+    student_state, search = search_student(
+        model, tokenizer, settings, output_dir, keep_checkpoints, log, start, stop_at_student=False
+    )
 
     model.eval()
     save_pair_member(model, tokenizer, os.path.join(output_dir, "teacher"))
@@ -243,43 +325,83 @@ def build(output_dir, keep_checkpoints=False, log=print, **overrides):
     model.load_state_dict(student_state)
     save_pair_member(model, tokenizer, os.path.join(output_dir, "student"))
     student_report = heldout_report(model, tokenizer)
-    summary = {
-        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "student_step": student_step,
-        "student_dev": student_dev,
-        "teacher_heldout": teacher_report,
-        "student_heldout": student_report,
-        "wall_time_s": round(time.time() - start, 1),
-        "window": history,
-    }
-    with open(os.path.join(output_dir, "build.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    summary = _write_summary(
+        output_dir, settings, model, start, search, teacher_heldout=teacher_report, student_heldout=student_report
+    )
     log(
         f"teacher (step {settings['total_steps']}): held-out k=4 {teacher_report['k4']:.3f}, greedy "
-        f"{teacher_report['greedy']:.3f}\nstudent (step {student_step}): held-out k=4 {student_report['k4']:.3f}, "
+        f"{teacher_report['greedy']:.3f}\nstudent (step {search['student_step']}): held-out k=4 {student_report['k4']:.3f}, "
         f"greedy {student_report['greedy']:.3f}\nwall time {summary['wall_time_s']:.0f}s"
     )
+    return summary
+
+
+def build_multi_teacher(output_dir, keep_checkpoints=False, log=print, **overrides):
+    """Builds the multi-teacher family into `output_dir` (`student/` and one directory per skill's teacher) and
+    returns a summary dict (also written to `output_dir/build.json`)."""
+    settings = {**MULTI_TEACHER_DEFAULTS, **overrides}
+    start = time.time()
+    tokenizer, model = _start(settings)
+    # Encoded before any evaluation: encoding without padding clears the tokenizer's padding state, which
+    # `save_pretrained` writes, and every member ships the default pair's tokenizer.json byte for byte.
+    teacher_data = {teacher: sft_data(tokenizer, [teacher]) for teacher in settings["skills"]}
+    student_state, search = search_student(
+        model, tokenizer, settings, output_dir, keep_checkpoints, log, start, stop_at_student=True
+    )
+    model.load_state_dict(student_state)
+    model.eval()
+    save_pair_member(model, tokenizer, os.path.join(output_dir, "student"))
+    heldout = {"student": {skill: heldout_report(model, tokenizer, skill) for skill in settings["skills"]}}
+
+    teacher_settings = {**settings, **settings["teacher"]}
+    for teacher, data in teacher_data.items():
+        model.load_state_dict(student_state)
+        for step, loss in train_steps(model, data, teacher_settings):
+            if step % 100 == 0:
+                log(f"{teacher} teacher step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f}s)")
+        model.eval()
+        save_pair_member(model, tokenizer, os.path.join(output_dir, teacher))
+        heldout[teacher] = {skill: heldout_report(model, tokenizer, skill) for skill in settings["skills"]}
+
+    summary = _write_summary(output_dir, settings, model, start, search, heldout=heldout)
+    for member, report in heldout.items():
+        accuracies = ", ".join(
+            f"{skill} k=4 {accuracy['k4']:.3f} greedy {accuracy['greedy']:.3f}" for skill, accuracy in report.items()
+        )
+        log(f"{member}: held-out {accuracies}")
+    log(f"wall time {summary['wall_time_s']:.0f}s")
     return summary
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)
+    parser.add_argument(
+        "--family",
+        choices=("pair", "multi-teacher"),
+        default="pair",
+        help="The default teacher/student pair, or the multi-teacher family (a student and one teacher per skill).",
+    )
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument("--student-max-dev-accuracy", type=float, default=DEFAULTS["student_max_dev_accuracy"])
-    parser.add_argument("--total-steps", type=int, default=DEFAULTS["total_steps"])
+    parser.add_argument(
+        "--total-steps",
+        type=int,
+        help="Training steps: the pair's (default 1500), or the family's most for the student search (default 3000).",
+    )
     parser.add_argument(
         "--keep-checkpoints", action="store_true", help="Also save every checkpoint evaluated in the window."
     )
     args = parser.parse_args()
-    build(
+    overrides = {} if args.total_steps is None else {"total_steps": args.total_steps}
+    builder = build if args.family == "pair" else build_multi_teacher
+    builder(
         args.output_dir,
         keep_checkpoints=args.keep_checkpoints,
         seed=args.seed,
         student_max_dev_accuracy=args.student_max_dev_accuracy,
-        total_steps=args.total_steps,
         log=lambda message: print(message, flush=True),
+        **overrides,
     )
 
 

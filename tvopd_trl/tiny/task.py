@@ -11,75 +11,138 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The embedded default task: two-digit addition, graded on the last ``\\boxed{}`` of the response.
+"""The embedded tasks: two-digit addition and subtraction, graded on the last ``\\boxed{}`` of the response.
 
-Every problem ``"Compute a + b."`` with ``a, b`` in 10..99 (8,100 problems) falls in exactly one split, drawn by a
-fixed seeded permutation:
+Two skills, each a fixed set of problems that a seeded permutation deals into four disjoint splits:
+
+- ``"addition"`` (the default pair's task): ``"Compute a + b."`` with ``a, b`` in 10..99, 8,100 problems;
+- ``"subtraction"`` (the multi-teacher family's second skill): ``"Compute a - b."`` with ``a, b`` in 10..99 and
+  ``a > b``, 4,005 problems. Answers stay non-negative (1..89), so the reference response has the same shape as
+  addition's and both skills share the default tokenizer unchanged.
+
+The splits of each skill:
 
 - ``"test"`` (500): the held-out evaluation split; no model is ever trained on it;
 - ``"dev"`` (500): used only to pick the student checkpoint (see `build`);
-- ``"opd"`` (1,600): prompts of the on-policy distillation demo; the teacher's supervised training never sees them;
-- ``"sft"`` (5,500): the teacher's supervised training data (the student is an earlier checkpoint of that run).
+- ``"opd"`` (addition 1,600, subtraction 1,000): prompts of the on-policy distillation demo; no supervised training
+  sees them;
+- ``"sft"`` (the rest: addition 5,500, subtraction 2,005): the supervised training data of the teachers (a student is
+  an earlier checkpoint of the same run).
 
-The reference response is ``\\boxed{a+b}`` and nothing else: the answer digits are the only tokens that carry
+The reference response is ``\\boxed{answer}`` and nothing else: the answer digits are the only tokens that carry
 information, so teacher and student differ exactly there.
 """
 
+import operator
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from datasets import Dataset
 
 
 SPLIT_SEED = 1234
-SPLIT_SIZES = {"test": 500, "dev": 500, "opd": 1600}  # "sft" takes the rest
+SPLIT_SIZES = {"test": 500, "dev": 500, "opd": 1600}  # addition's; "sft" takes the rest
 SPLITS = ("test", "dev", "opd", "sft")
+SKILLS = ("addition", "subtraction")
+MIX_SEED = 0
 
 
-def _all_problems():
-    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
+@dataclass(frozen=True)
+class _Skill:
+    symbol: str
+    compute: Callable[[int, int], int]
+    allowed: Callable[[int, int], bool]  # which operand pairs are problems of the skill
+    split_sizes: dict
+    seed: int
 
 
-def _split_pairs(split):
+_SKILLS = {
+    "addition": _Skill("+", operator.add, lambda a, b: True, SPLIT_SIZES, SPLIT_SEED),
+    # Half the problems of addition, so a smaller "opd" split leaves the teacher a comparable share (half) to learn from.
+    "subtraction": _Skill("-", operator.sub, operator.gt, {"test": 500, "dev": 500, "opd": 1000}, SPLIT_SEED + 1),
+}
+
+
+def _skill(name):
+    if name not in _SKILLS:
+        raise ValueError(f"Unknown skill {name!r}; choose one of {SKILLS}.")
+    return _SKILLS[name]
+
+
+def _split_pairs(split, skill="addition"):
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; choose one of {SPLITS}.")
-    pairs = _all_problems()
-    random.Random(SPLIT_SEED).shuffle(pairs)
+    spec = _skill(skill)
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if spec.allowed(a, b)]
+    random.Random(spec.seed).shuffle(pairs)
     bounds, start = {}, 0
     for name in ("test", "dev", "opd"):
-        bounds[name] = (start, start + SPLIT_SIZES[name])
-        start += SPLIT_SIZES[name]
+        bounds[name] = (start, start + spec.split_sizes[name])
+        start += spec.split_sizes[name]
     bounds["sft"] = (start, len(pairs))
     first, last = bounds[split]
     return pairs[first:last]
 
 
-def question(a, b):
-    return f"Compute {a} + {b}."
+def symbol(skill="addition"):
+    """The operator of `skill` as it appears in its questions (`"+"` or `"-"`)."""
+    return _skill(skill).symbol
 
 
-def response(a, b):
+def question(a, b, skill="addition"):
+    return f"Compute {a} {symbol(skill)} {b}."
+
+
+def response(a, b, skill="addition"):
     """The reference (teacher-training) response."""
-    return f"\\boxed{{{a + b}}}"
+    return f"\\boxed{{{_skill(skill).compute(a, b)}}}"
 
 
-def problems(split):
-    """The problems of `split` as dicts with keys `a`, `b`, `question`, `answer` and `response`, in a fixed order."""
+def problems(split, skill="addition"):
+    """The problems of `skill`'s `split` as dicts with keys `a`, `b`, `question`, `answer` and `response`, in a fixed
+    order."""
+    answer = _skill(skill).compute
     return [
-        {"a": a, "b": b, "question": question(a, b), "answer": str(a + b), "response": response(a, b)}
-        for a, b in _split_pairs(split)
+        {
+            "a": a,
+            "b": b,
+            "question": question(a, b, skill),
+            "answer": str(answer(a, b)),
+            "response": response(a, b, skill),
+        }
+        for a, b in _split_pairs(split, skill)
     ]
 
 
-def prompt_dataset(split, n=None):
+def _rows(split, n, skill):
+    rows = problems(split, skill)
+    return rows if n is None else rows[:n]
+
+
+def _prompt_columns(rows):
+    return {
+        "prompt": [[{"role": "user", "content": row["question"]}] for row in rows],
+        "answer": [row["answer"] for row in rows],
+    }
+
+
+def prompt_dataset(split, n=None, skill="addition"):
     """A `datasets.Dataset` with a conversational `prompt` column (one user turn) and an `answer` column.
 
     `n` keeps the first `n` problems of the split (its order is fixed)."""
-    rows = problems(split)
-    if n is not None:
-        rows = rows[:n]
-    return Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": row["question"]}] for row in rows],
-            "answer": [row["answer"] for row in rows],
-        }
-    )
+    return Dataset.from_dict(_prompt_columns(_rows(split, n, skill)))
+
+
+def multi_skill_prompt_dataset(split, n=None, skills=SKILLS, seed=MIX_SEED):
+    """The prompts of several skills, shuffled together with a fixed seed: `prompt_dataset`'s columns, plus `skill`
+    and `teacher_id`, the name of the teacher that supervises the row (the multi-teacher family names each teacher
+    after its skill, see `tvopd_trl.tiny.multi_teacher_paths`).
+
+    `n` keeps the first `n` problems of each skill's split before the shuffle."""
+    rows = [(skill, row) for skill in skills for row in _rows(split, n, skill)]
+    random.Random(seed).shuffle(rows)
+    columns = _prompt_columns([row for _, row in rows])
+    columns["skill"] = [skill for skill, _ in rows]
+    columns["teacher_id"] = list(columns["skill"])
+    return Dataset.from_dict(columns)
