@@ -155,3 +155,11 @@ def test_padded_siblings_pass_the_vocabulary_check_and_short_heads_fail():
     sibling = check_vocab_sizes(config(151936), config(152064), tokenizer_size=151665)
     assert sibling.status == PASS and "padded siblings" in sibling.detail
     assert check_vocab_sizes(config(151936), config(151000), tokenizer_size=151665).status == FAIL
+
+
+def test_each_teacher_is_checked_on_its_own_prompts():
+    checks = _diagnose("--embedded_task", "multi_teacher", prompts=8)
+    for teacher in ("addition", "subtraction"):
+        for name in ("tokenizers", "self-delta", "teacher vs student"):
+            assert checks[f"{name} ({teacher})"].status == PASS, checks[f"{name} ({teacher})"]
+    assert not any(check.status == FAIL for check in checks.values())

@@ -301,10 +301,44 @@ def _build(trainer_kwargs, **overrides):
 
 
 def diagnose(job_args, training_args, num_prompts=8, max_completion_length=128, tolerance=1e-3, z_threshold=5.0):
-    """Every check, in order, on the pair and prompts the main job would use with this config."""
+    """Every check, in order, on the pair and prompts the main job would use with this config. With several teachers,
+    each teacher is checked against the student on the prompts routed to it, its checks named `check (teacher)`."""
     from .job import load_job
+    from .teachers import TEACHER_ID_COLUMN
 
     student_path, teacher_path, tokenizer, dataset = load_job(job_args, training_args)
+    options = dict(
+        num_prompts=num_prompts,
+        max_completion_length=max_completion_length,
+        tolerance=tolerance,
+        z_threshold=z_threshold,
+    )
+    if not isinstance(teacher_path, dict):
+        return _diagnose_pair(training_args, student_path, teacher_path, tokenizer, dataset, **options)
+    if training_args.teacher_model_server_url is not None:
+        raise ValueError(
+            "`tvopd-trl doctor` checks several teachers when they are local (`teacher_model_name_or_path`); check a "
+            "served one on its own, with `teacher_model_server_url` set to its URL."
+        )
+    checks = []
+    for name, path in teacher_path.items():
+        routed = dataset.select([i for i, teacher in enumerate(dataset[TEACHER_ID_COLUMN]) if teacher == name])
+        pair = _diagnose_pair(training_args, student_path, path, tokenizer, routed, **options)
+        checks += [dataclasses.replace(check, name=f"{check.name} ({name})") for check in pair]
+    return checks
+
+
+def _diagnose_pair(
+    training_args,
+    student_path,
+    teacher_path,
+    tokenizer,
+    dataset,
+    num_prompts,
+    max_completion_length,
+    tolerance,
+    z_threshold,
+):
     prompts = [dataset[i] for i in range(min(num_prompts, len(dataset)))]
     checks = []
     remote_code = training_args.trust_remote_code
