@@ -19,7 +19,10 @@ FLAGS = [
     "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "10",
     "--eval_problems", "16", "--eval_k", "2", "--eval_every_steps", "5", "--eval_teacher", "false",
 ]  # fmt: skip
-TV_KEYS = ("tv/scale", "tv/estimate", "tv/ema", "tv/reference", "tv/frozen", "loss", "update/norm")
+# With two teachers (the multi-teacher family), each teacher's scheduler must resume exactly too.
+MULTI_TEACHER = ["--embedded_task", "multi_teacher", "--eval_benchmark", "tiny,tiny-subtraction"]
+TV_KEYS = ("tv/estimate", "tv/frozen", "loss", "update/norm", "kl/reverse_estimate")
+SCALE_KEYS = ("scale", "ema", "reference")
 
 
 def _job(output_dir, *extra):
@@ -28,17 +31,24 @@ def _job(output_dir, *extra):
 
 def _steps(output_dir):
     history = json.loads((output_dir / "log_history.json").read_text())
-    return {entry["step"]: {key: entry.get(key) for key in TV_KEYS} for entry in history if "tv/scale" in entry}
+    scales = [key for key in history[0] if key.startswith("tv/") and key.endswith(SCALE_KEYS)]
+    return {
+        entry["step"]: {key: entry.get(key) for key in (*TV_KEYS, *scales)} for entry in history if "loss" in entry
+    }
 
 
 @pytest.mark.long
-def test_a_killed_run_resumes_onto_the_uninterrupted_trajectory(tmp_path):
+@pytest.mark.parametrize("teachers", [[], MULTI_TEACHER], ids=["one_teacher", "two_teachers"])
+def test_a_killed_run_resumes_onto_the_uninterrupted_trajectory(teachers, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
-    subprocess.run(_job(reference), env=env, check=True, capture_output=True, timeout=900)
+    subprocess.run(_job(reference, *teachers), env=env, check=True, capture_output=True, timeout=900)
+    uninterrupted = _steps(reference)
+    per_teacher = [key for key in uninterrupted[1] if key.count("/") == 2]
+    assert len(per_teacher) == (6 if teachers else 0)  # tv/<teacher>/{scale,ema,reference}, for each teacher
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(_job(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(_job(killed, *teachers), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while not (killed / "checkpoint-10" / "trainer_state.json").is_file():
         assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
@@ -49,11 +59,11 @@ def test_a_killed_run_resumes_onto_the_uninterrupted_trajectory(tmp_path):
 
     result = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "tvopd-trl"), "train", *FLAGS[2:], "--config", FLAGS[1],
-         "--output_dir", str(killed), "--resume_from_checkpoint", "last"],
+         "--output_dir", str(killed), "--resume_from_checkpoint", "last", *teachers],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    resumed, uninterrupted = _steps(killed), _steps(reference)
+    resumed = _steps(killed)
     resumed_from = max(
         int(name.split("-")[1])
         for name in os.listdir(killed)
