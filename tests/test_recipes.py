@@ -145,7 +145,7 @@ def test_pair_recipes_hold_the_papers_hyperparameters(path):
     if recipe["advantage_mode"] == "tv":
         assert (recipe["tv_ema_decay"], recipe["tv_min_scale"], recipe["tv_eps"]) == (0.95, 0.1, 1e-5)
     assert recipe["output_dir"] == f"outputs/{path.parent.name}/{path.stem}"
-    # In-process evaluation refuses ZeRO-3: these recipes evaluate their checkpoints offline.
+    # As the paper, these recipes evaluate their saved checkpoints offline.
     assert recipe["accelerate_config"] == "zero3" and recipe["eval_problems"] == 0
 
 

@@ -250,28 +250,34 @@ class Accuracy:
         for name in self.names:
             load_problems(name, **self.options)  # a bad name or file fails before any training
 
-    def scores(self, model, greedy=False, output_dir=None, model_id=None):
+    def scores(self, model, greedy=False, output_dir=None, model_id=None, accelerator=None):
         """`{benchmark: mean@k}` (or greedy accuracy) of `model`; with `output_dir`, records land there under
-        `model_id`."""
+        `model_id`. With `accelerator`, every process calls this and generates a shard (see `evaluate`)."""
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
         settings = (
             SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
         )
         generator = TransformersGenerator(model, self.tokenizer, self.job_args.eval_batch_size)
         results = evaluate(
-            generator, self.benchmarks, settings or self.settings, output_dir, model=model_id, **self.options
+            generator,
+            self.benchmarks,
+            settings or self.settings,
+            output_dir,
+            model=model_id,
+            accelerator=accelerator,
+            **self.options,
         )
         return {name: mean_at_k(result) for name, result in results["benchmarks"].items()}
 
-    def __call__(self, model, greedy=False, output_dir=None, model_id=None):
+    def __call__(self, model, greedy=False, output_dir=None, model_id=None, accelerator=None):
         """The mean over the benchmarks of `scores`."""
-        scores = self.scores(model, greedy, output_dir, model_id)
+        scores = self.scores(model, greedy, output_dir, model_id, accelerator)
         return sum(scores.values()) / len(scores)
 
 
-def check_job_arguments(job_args, training_args, state):
-    """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse), the
-    embedded benchmark for a custom model or dataset, and the main process's evaluation of a sharded model."""
+def check_job_arguments(job_args, training_args):
+    """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse), and
+    the embedded benchmark for a custom model or dataset."""
     # A teacher server may serve the embedded teacher, so it can go with the embedded student.
     student_named = job_args.model_name_or_path is not None
     teacher_named = training_args.teacher_model_name_or_path is not None
@@ -289,14 +295,6 @@ def check_job_arguments(job_args, training_args, state):
             "With your own model or dataset, set `eval_benchmark` (e.g. `math500`, or a JSONL "
             "file with id, problem and answer fields): the default, the embedded addition task, says nothing about "
             "your model. Or pass `--eval_problems 0`."
-        )
-    sharded = state.distributed_type.name == "FSDP" or (
-        state.distributed_type.name == "DEEPSPEED" and training_args.deepspeed_plugin.zero_stage == 3
-    )
-    if sharded and job_args.eval_problems > 0:
-        raise ValueError(
-            "The main job's accuracy evaluation generates on the main process only, which sharded models (ZeRO-3, "
-            "FSDP) cannot do. Pass `--eval_problems 0`."
         )
 
 

@@ -85,13 +85,21 @@ def _reference_logps(model, input_ids, attention_mask, completion_mask, temperat
     return logps * completion_mask
 
 
-def main(output_dir):
-    _pretend_multi_gpu()
-    args = tiny_config(
+def fsdp2_config(output_dir, **overrides):
+    """A tiny run's config under FSDP2 on the CPU stand-in (call `_pretend_multi_gpu` first)."""
+    return tiny_config(
         output_dir,
         fsdp=True,
         fsdp_config={"version": 2, "reshard_after_forward": True},
         accelerator_config={"use_configured_state": True},  # the state `_pretend_multi_gpu` built
+        **overrides,
+    )
+
+
+def main(output_dir):
+    _pretend_multi_gpu()
+    args = fsdp2_config(
+        output_dir,
         max_steps=3,
         learning_rate=1e-4,
         tv_ema_decay=0.0,  # c_k follows each step's estimate, so that the scale moves within 3 steps

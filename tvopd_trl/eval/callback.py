@@ -17,14 +17,37 @@ import os
 import shutil
 import time
 import warnings
+from contextlib import contextmanager
 
 from transformers import TrainerCallback
+from trl.distributed import DistributedBackend
+from trl.models.utils import unwrap_model_for_generation
 
 from .accuracy import mean_at_k
 from .benchmarks import get_benchmark, load_problems
 from .evaluate import evaluate, evaluated_steps, step_dir
 from .generation import SamplingSettings, TransformersGenerator
 from .grading import DEFAULT_TIMEOUT_SECONDS
+
+
+@contextmanager
+def generation_model(trainer, model=None):
+    """The trainer's student (or `model`, another model it prepared: a teacher), unwrapped to generate on every
+    process at once, as TRL's trainers generate: under ZeRO-3 the student's weights are gathered when
+    `ds3_gather_for_generation` (a teacher's are fetched layer by layer in each forward: DeepSpeed gives a model without
+    an optimizer no hooks to lift), under FSDP1 they are summoned, and under FSDP2 each forward gathers them."""
+    gather = model is None and trainer.args.ds3_gather_for_generation
+    model = trainer.model_wrapped if model is None else model
+    with (
+        unwrap_model_for_generation(
+            model,
+            trainer.accelerator,
+            gather_deepspeed3_params=gather,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ) as unwrapped,
+        DistributedBackend(trainer.accelerator).summon_full_params(model, recurse=False),
+    ):
+        yield unwrapped
 
 
 class BenchmarkEvalCallback(TrainerCallback):
@@ -35,8 +58,13 @@ class BenchmarkEvalCallback(TrainerCallback):
 
     Each evaluation logs `eval/<benchmark>/mean@k` with that step's training metrics (so through `report_to`), and
     writes its records to `<output_dir>/eval/mean@<k>/step-<N>/`, beside the checkpoints, where `tvopd-trl select` and
-    `tvopd-trl report` read them. It generates on the main process with the unwrapped model, so it cannot run on
-    parameters sharded by ZeRO-3 or FSDP; evaluate such a run's saved checkpoints with `tvopd-trl eval` instead.
+    `tvopd-trl report` read them.
+
+    Every process takes part: each generates and grades its shard of the batches of `batch_size` responses, and the
+    graded records are gathered (see [`evaluate`]). Under ZeRO-3 the weights are gathered for generation as TRL's
+    trainers do (`unwrap_model_for_generation`, following `ds3_gather_for_generation`), under FSDP1 they are
+    summoned, and under FSDP2 each forward gathers them. A score equals that of `tvopd-trl eval` on the checkpoint
+    saved at the same step with the same settings, limit and `--batch_size` (docs/evaluation.md).
 
     ```python
     trainer = TVOPDTrainer(...)
@@ -61,13 +89,6 @@ class BenchmarkEvalCallback(TrainerCallback):
     ):
         if eval_every_steps < 1:
             raise ValueError(f"`eval_every_steps` must be at least 1 (got {eval_every_steps}).")
-        if trainer.is_fsdp_enabled or (
-            trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-        ):
-            raise ValueError(
-                "BenchmarkEvalCallback generates on the main process, which parameters sharded by ZeRO-3 or FSDP "
-                "cannot do. Save checkpoints and evaluate them with `tvopd-trl eval --model <output_dir>`."
-            )
         self.trainer, self.eval_every_steps, self.at_start = trainer, eval_every_steps, at_start
         self.benchmarks = [get_benchmark(name) for name in benchmarks]
         for benchmark in self.benchmarks:  # bad names and files fail now, not after hours of training
@@ -85,24 +106,28 @@ class BenchmarkEvalCallback(TrainerCallback):
 
     def _evaluate(self, args, state):
         trainer = self.trainer
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        generator = TransformersGenerator(model, trainer.processing_class, batch_size=self.batch_size)
-        results = evaluate(
-            generator,
-            self.benchmarks,
-            self.settings,
-            step_dir(args.output_dir, state.global_step, self.settings.k),
-            model=os.path.abspath(args.output_dir),
-            metadata={"step": state.global_step},
-            **self.options,
-        )
+        with generation_model(trainer) as model:
+            results = evaluate(
+                TransformersGenerator(model, trainer.processing_class, batch_size=self.batch_size),
+                self.benchmarks,
+                self.settings,
+                step_dir(args.output_dir, state.global_step, self.settings.k),
+                model=os.path.abspath(args.output_dir),
+                metadata={"step": state.global_step},
+                accelerator=trainer.accelerator,
+                **self.options,
+            )
         self.history.append((state.global_step, results))
         k = self.settings.k
         return {f"eval/{b.name}/mean@{k}": mean_at_k(results["benchmarks"][b.name]) for b in self.benchmarks}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
+        if state.is_world_process_zero:
+            self._set_aside_later_evaluations(args, state)
+        if self.at_start and state.global_step == 0:
+            self.trainer.log(self._evaluate(args, state))
+
+    def _set_aside_later_evaluations(self, args, state):
         later = [step for step in evaluated_steps(args.output_dir, self.settings.k) if step > state.global_step]
         if later and state.global_step > 0:
             # A resume: the interrupted run evaluated past its last checkpoint, and this run redoes those steps.
@@ -113,7 +138,7 @@ class BenchmarkEvalCallback(TrainerCallback):
             warnings.warn(
                 f"Resuming from step {state.global_step}: the interrupted run's mean@{self.settings.k} evaluations of "
                 f"steps {later} will be redone; the old ones were moved to {kept}.",
-                stacklevel=2,
+                stacklevel=3,
             )
         elif later:  # a fresh run in an output_dir that holds another run's evaluations
             raise ValueError(
@@ -121,14 +146,12 @@ class BenchmarkEvalCallback(TrainerCallback):
                 f"{state.global_step} where this run starts: they belong to an earlier run. Use a fresh output_dir, "
                 f"or move {os.path.join(args.output_dir, 'eval')} away."
             )
-        if self.at_start and state.global_step == 0:
-            self.trainer.log(self._evaluate(args, state))
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.eval_every_steps != 0:
             return
-        if state.is_world_process_zero:
-            for key, value in self._evaluate(args, state).items():
-                # Recorded, not logged now: the scores land in this step's log, beside the loss.
-                self.trainer.record_metric(key, value)
+        # Every process evaluates and records the same scores, as the trainer's own metrics are reduced before logging.
+        for key, value in self._evaluate(args, state).items():
+            # Recorded, not logged now: the scores land in this step's log, beside the loss.
+            self.trainer.record_metric(key, value)
         control.should_log = True  # on every process: the log gathers the loss across them

@@ -26,6 +26,8 @@ import os
 import re
 import time
 
+from accelerate.utils import gather_object
+
 from .accuracy import summarize
 from .benchmarks import get_benchmark, load_problems
 from .grading import CORRECT, DEFAULT_TIMEOUT_SECONDS, INVALID_GOLD, NO_ANSWER, TIMEOUT, grade_responses
@@ -63,6 +65,7 @@ def evaluate(
     save_responses=False,
     model=None,
     metadata=None,
+    accelerator=None,
 ):
     """Scores of `generator` (a [`TransformersGenerator`] or [`VLLMGenerator`]) on each of `benchmarks`.
 
@@ -71,11 +74,17 @@ def evaluate(
     records and `results.json` there; benchmarks already in that `results.json` are kept if it was written for the
     same `model` (a name for what is evaluated: a path, or a run's output directory) with the same settings, and any
     other evaluation is refused rather than mixed in. `prompt_template` overrides every benchmark's own (see
-    `Benchmark`)."""
+    `Benchmark`).
+
+    With `accelerator` (an `Accelerator` or `PartialState`), every one of its processes must call this with the same
+    arguments and a [`TransformersGenerator`] of the same model: each generates and grades its shard of the responses
+    (see the generator's `shard`), the graded records are gathered, every process returns the scores of the whole
+    set, and only the main process writes."""
     benchmarks = [get_benchmark(name) for name in benchmarks]  # unknown names fail before any generation
     protocol = evaluation_protocol(settings, limit, prompt_template, model)
     results = {"benchmarks": {}, **protocol, **(metadata or {})}
-    if output_dir is not None:
+    writes = output_dir is not None and (accelerator is None or accelerator.is_main_process)
+    if writes:
         previous = read_results(output_dir)
         if previous is not None:
             check_protocol(output_dir, previous, protocol)
@@ -84,14 +93,18 @@ def evaluate(
     for benchmark in benchmarks:
         start = time.perf_counter()
         problems = load_problems(benchmark, data_dir, limit)
-        responses = generator([benchmark.prompt(problem, prompt_template) for problem in problems], settings)
+        prompts = [benchmark.prompt(problem, prompt_template) for problem in problems]
+        if accelerator is None:
+            responses = generator(prompts, settings)
+        else:
+            responses = generator(prompts, settings, shard=(accelerator.process_index, accelerator.num_processes))
         if len(responses) != len(problems) or any(len(samples) != settings.k for samples in responses):
             raise RuntimeError(
                 f"The generator must return {settings.k} responses for each of {len(problems)} prompts."
             )
-        flat = [response for samples in responses for response in samples]
         golds = [problem.answer for problem in problems for _ in range(settings.k)]
-        answers, statuses = grade_responses(flat, golds, workers=workers, timeout_seconds=timeout_seconds)
+        graded = _grade_shards(responses, golds, save_responses, accelerator, workers, timeout_seconds)
+        statuses = [status for _, status, _ in graded]
         correct = [status == CORRECT for status in statuses]
         scores = summarize([correct[i : i + settings.k] for i in range(0, len(correct), settings.k)])
         scores["no_answer"] = statuses.count(NO_ANSWER)
@@ -99,9 +112,9 @@ def evaluate(
         scores["invalid_gold"] = statuses.count(INVALID_GOLD)
         scores["seconds"] = time.perf_counter() - start
         results["benchmarks"][benchmark.name] = scores
-        if output_dir is not None:
+        if writes:
             with open(os.path.join(output_dir, f"{benchmark.name}.jsonl"), "w", encoding="utf-8") as f:
-                for index, (answer, status) in enumerate(zip(answers, statuses, strict=True)):
+                for index, (answer, status, response) in enumerate(graded):
                     record = {
                         "problem_id": problems[index // settings.k].id,
                         "sample": index % settings.k,
@@ -111,7 +124,7 @@ def evaluate(
                         "status": status,
                     }
                     if save_responses:
-                        record["response"] = flat[index]
+                        record["response"] = response
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
             # After each benchmark, and atomically: a long evaluation that stops keeps what it finished, intact.
             path = os.path.join(output_dir, RESULTS_FILE)
@@ -119,6 +132,26 @@ def evaluate(
                 json.dump(results, f, indent=2)
             os.replace(f"{path}.tmp", path)
     return results
+
+
+def _grade_shards(responses, golds, keep_responses, accelerator, workers, timeout_seconds):
+    """(answer, status, response or `None`) of each response, in order: this process grades the responses it
+    generated (the others are `None` here), and with `accelerator` the other processes' records are gathered."""
+    flat = [response for samples in responses for response in samples]
+    shard = [n for n, response in enumerate(flat) if response is not None]
+    answers, statuses = grade_responses(
+        [flat[n] for n in shard], [golds[n] for n in shard], workers=workers, timeout_seconds=timeout_seconds
+    )
+    # Full responses travel only when they are kept: the paper's are up to 31,744 tokens each.
+    records = [
+        (n, answer, status, flat[n] if keep_responses else None)
+        for n, answer, status in zip(shard, answers, statuses, strict=True)
+    ]
+    if accelerator is not None:
+        records = sorted(gather_object(records), key=lambda record: record[0])
+    if [record[0] for record in records] != list(range(len(flat))):
+        raise RuntimeError("The generator's shards must hold every response exactly once.")
+    return [record[1:] for record in records]
 
 
 def evaluation_protocol(settings, limit, prompt_template, model):

@@ -52,14 +52,24 @@ class SamplingSettings:
 
 
 class TransformersGenerator:
-    """Batched `model.generate` on the model's device; `batch_size` counts sequences (prompt x sample)."""
+    """Batched `model.generate` on the model's device; `batch_size` counts sequences (prompt x sample).
+
+    The (prompt, sample) sequences are cut, in order, into batches of `batch_size`, and each batch samples from a seed
+    of its own, drawn from (`settings.seed`, batch index). A response thus depends on the model, the prompts, the
+    settings and `batch_size` only: not on the process that generates its batch nor on the batches generated before,
+    which is what lets an evaluation sharded over the processes of a training run (`shard`) equal `tvopd-trl eval` of
+    the saved checkpoint with the same batch size."""
 
     def __init__(self, model, tokenizer, batch_size=64):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
 
     @torch.no_grad()
-    def __call__(self, prompts, settings):
+    def __call__(self, prompts, settings, shard=(0, 1)):
+        """`settings.k` responses to each of `prompts`. With `shard=(index, count)`, only the batches `index`,
+        `index + count`, ... are generated, and the other responses are `None`; each of the `count` processes must
+        then call it with its own `index`, since the `generate` calls are collectives."""
         model, tokenizer = self.model, self.tokenizer
+        index, count = shard
         was_training, padding_side = model.training, tokenizer.padding_side
         model.eval()
         tokenizer.padding_side = "left"
@@ -74,29 +84,37 @@ class TransformersGenerator:
         device = next(model.parameters()).device
         # The model's own end-of-turn tokens when it declares them (Qwen3 lists two); the tokenizer's EOS otherwise.
         eos_token_id = model.generation_config.eos_token_id or tokenizer.eos_token_id
-        outputs = [[] for _ in prompts]
-        expanded = [i for i in range(len(texts)) for _ in range(1 if greedy else settings.k)]
+        samples = 1 if greedy else settings.k
+        rows = [(i, j) for i in range(len(texts)) for j in range(samples)]
+        batches = [rows[start : start + self.batch_size] for start in range(0, len(rows), self.batch_size)]
+        outputs = [[None] * samples for _ in prompts]
         try:
             # Seeded sampling that leaves the caller's random streams alone (`manual_seed` also reseeds CUDA).
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(settings.seed)
-                for start in range(0, len(expanded), self.batch_size):
-                    rows = expanded[start : start + self.batch_size]
+                # Sharded, a forward gathers weights (FSDP, unless gathered first) and `synced_gpus` keeps every
+                # process stepping until all have finished: every shard makes as many calls as the largest one, a
+                # shorter one repeating a batch whose responses it drops.
+                for batch_index in range(index, -(-len(batches) // count) * count, count):
+                    batch_rows = batches[min(batch_index, len(batches) - 1)]
+                    torch.manual_seed(hash((settings.seed, batch_index)) % 2**63)
                     batch = tokenizer(
-                        [texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False
+                        [texts[i] for i, _ in batch_rows], return_tensors="pt", padding=True, add_special_tokens=False
                     ).to(device)
                     generated = model.generate(
                         **batch,
                         max_new_tokens=settings.max_new_tokens,
                         pad_token_id=tokenizer.pad_token_id,
                         eos_token_id=eos_token_id,
+                        synced_gpus=count > 1,
                         **sampling,
                     )
+                    if batch_index >= len(batches):
+                        continue
                     completions = tokenizer.batch_decode(
                         generated[:, batch["input_ids"].size(1) :], skip_special_tokens=True
                     )
-                    for i, completion in zip(rows, completions, strict=True):
-                        outputs[i].append(completion)
+                    for (i, j), completion in zip(batch_rows, completions, strict=True):
+                        outputs[i][j] = completion
         finally:
             tokenizer.padding_side = padding_side
             model.train(was_training)

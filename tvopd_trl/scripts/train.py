@@ -50,12 +50,13 @@ def main(job_args, training_args):
     from rich.console import Console
 
     from ..eval import BenchmarkEvalCallback, mean_at_k, step_dir
+    from ..eval.callback import generation_model
     from ..plots import plot_run
     from ..trainer import TVOPDTrainer
 
     start = time.perf_counter()
     state = PartialState()
-    check_job_arguments(job_args, training_args, state)
+    check_job_arguments(job_args, training_args)
     served = training_args.teacher_model_server_url is not None
     student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
@@ -91,18 +92,19 @@ def main(job_args, training_args):
         print(f"{out}/eval held an earlier run's evaluations: moved to {kept}")
     scores = {}  # "student_accuracy_before", ..., "teacher_accuracy" -> {benchmark: accuracy}
     teacher_scores = {}  # teacher name -> {benchmark: accuracy}
-    if accuracy is not None and state.is_main_process:
-        student = trainer.accelerator.unwrap_model(trainer.model)
+    # Every process evaluates, each a shard of the responses: a model sharded by ZeRO-3 or FSDP generates on all of them.
+    sharded = dict(accelerator=trainer.accelerator)
+    if accuracy is not None:
         if job_args.eval_teacher:  # a served teacher is not in this process to evaluate
             for name, teacher in trainer.teachers.items():
                 if teacher.served:
                     continue
-                model = trainer.accelerator.unwrap_model(teacher.model)
                 single = len(trainer.teachers) == 1
                 teacher_dir = os.path.join(out, "eval", "teacher" if single else f"teacher-{name}")
                 model_id = teacher_path if single else teacher_path[name]
-                teacher_scores[name] = accuracy.scores(model, False, teacher_dir, model_id=model_id)
-                teacher_scores[f"{name}_greedy"] = accuracy.scores(model, greedy=True)
+                with generation_model(trainer, teacher.model) as model:
+                    teacher_scores[name] = accuracy.scores(model, False, teacher_dir, model_id=model_id, **sharded)
+                    teacher_scores[f"{name}_greedy"] = accuracy.scores(model, greedy=True, **sharded)
             if teacher_scores:
                 # A benchmark's teacher is the one that knows it best: with several teachers, the one routed its skill
                 for suffix in ("", "_greedy"):
@@ -111,33 +113,37 @@ def main(job_args, training_args):
                         benchmark.name: max(run[benchmark.name] for run in runs) for benchmark in accuracy.benchmarks
                     }
                     scores[f"teacher_accuracy{suffix}"] = best
-        scores["student_accuracy_before"] = accuracy.scores(
-            student, output_dir=step_dir(out, 0, job_args.eval_k), model_id=os.path.abspath(out)
-        )
-        scores["student_accuracy_before_greedy"] = accuracy.scores(student, greedy=True)
+        with generation_model(trainer) as student:
+            scores["student_accuracy_before"] = accuracy.scores(
+                student, output_dir=step_dir(out, 0, job_args.eval_k), model_id=os.path.abspath(out), **sharded
+            )
+            scores["student_accuracy_before_greedy"] = accuracy.scores(student, greedy=True, **sharded)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
     train_seconds = time.perf_counter() - train_start
     trainer.save_model(training_args.output_dir)
 
-    if state.is_main_process:
-        # The curve: per benchmark, and averaged over them
-        curves = [
-            (step, {name: mean_at_k(result) for name, result in r["benchmarks"].items()})
-            for step, r in (curve.history if curve else [])
-        ]
-        final_step = trainer.state.global_step
-        if accuracy is not None:
-            student = trainer.accelerator.unwrap_model(trainer.model)  # the trainer may have re-wrapped it
-            evaluated = dict(curves)
+    # The curve: per benchmark, and averaged over them
+    curves = [
+        (step, {name: mean_at_k(result) for name, result in r["benchmarks"].items()})
+        for step, r in (curve.history if curve else [])
+    ]
+    final_step = trainer.state.global_step
+    if accuracy is not None:
+        evaluated = dict(curves)
+        with generation_model(trainer) as student:  # the trainer wrapped the student in `train`
             if final_step in evaluated:
                 scores["student_accuracy_after"] = evaluated[final_step]
             else:
                 scores["student_accuracy_after"] = accuracy.scores(
-                    student, output_dir=step_dir(out, final_step, job_args.eval_k), model_id=os.path.abspath(out)
+                    student,
+                    output_dir=step_dir(out, final_step, job_args.eval_k),
+                    model_id=os.path.abspath(out),
+                    **sharded,
                 )
                 curves.append((final_step, scores["student_accuracy_after"]))
-            scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True)
+            scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True, **sharded)
+    if state.is_main_process:
         if "student_accuracy_before" in scores:
             curves = [(0, scores["student_accuracy_before"]), *curves]
         results.update({key: sum(values.values()) / len(values) for key, values in scores.items()})
