@@ -14,8 +14,8 @@ import sys
 from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result, skip_deepspeed_shm_op
 
-from tvopd_trl import TVOPDConfig, TVOPDTrainer
-from tvopd_trl.testing import tiny_pair_trainer
+from tvopd_trl import TVOPDTrainer
+from tvopd_trl.testing import tiny_config, tiny_pair_trainer
 from tvopd_trl.tiny import prompt_dataset, student_path, teacher_path
 
 
@@ -36,22 +36,13 @@ def main(output_dir, launch):
     zero3 = launch == "zero3"
     if zero3:
         skip_deepspeed_shm_op()
-    args = TVOPDConfig(
-        output_dir=output_dir,
+    args = tiny_config(
+        output_dir,
         use_cpu=not zero3,  # DDP's CPU request (see ddp_cpu.yaml)
         ddp_backend="gloo" if zero3 else None,  # DeepSpeed's process group on CPU (see zero3_cpu.yaml)
-        bf16=False,
-        per_device_train_batch_size=4,
         max_steps=4,
-        max_completion_length=8,
         learning_rate=1e-3,
         shuffle_dataset=False,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
     if zero3:
         args.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 640
