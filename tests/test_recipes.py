@@ -238,6 +238,16 @@ def test_the_prompt_column_is_found_when_none_is_named():
     assert prompts[5]["prompt"][0]["content"].startswith(deepmath[5]["question"])
 
 
+def test_the_teacher_id_column_survives_the_prompt_adapter():
+    # A dataset for several teachers routes by `teacher_id`; the adapter drops every other column.
+    raw = sample(DEEPMATH).select(range(4))
+    raw = raw.add_column("teacher_id", ["algebra", "geometry", "algebra", "calculus"])
+    prompts = to_prompt_dataset(raw, "question")
+    assert sorted(prompts.column_names) == ["prompt", "teacher_id"]
+    assert prompts["teacher_id"] == ["algebra", "geometry", "algebra", "calculus"]
+    assert prompts[1]["prompt"][0]["content"].startswith(raw[1]["question"])
+
+
 @pytest.mark.parametrize("pair", PAIRS)
 def test_each_pair_recipes_prompt_column_fits_its_dataset_sample(pair):
     recipe = load(RECIPES / pair / "tvopd.yaml")

@@ -14,7 +14,9 @@
 """Prompt-column adapter: turns a math dataset into the conversational `prompt` column that OPD trains on.
 
 OPD consumes only prompts: the teacher's log-probabilities are the whole supervision signal, so answers, difficulty
-labels and reference solutions are dropped (DeepMath-103K's three R1 solutions alone are ~5 GB).
+labels and reference solutions are dropped (DeepMath-103K's three R1 solutions alone are ~5 GB). The one column kept
+beside `prompt` is `teacher_id`, which routes each prompt to its teacher when a run has several
+(`tvopd_trl.teachers`).
 
 The prompt column is used according to what it holds:
 
@@ -33,6 +35,7 @@ prompts = to_prompt_dataset(load_dataset("zwhe99/DeepMath-103K", split="train"),
 """
 
 from .eval.benchmarks import DEFAULT_PROMPT_TEMPLATE
+from .teachers import TEACHER_ID_COLUMN
 
 
 # Tried in this order when no column is named: a ready-made chat prompt first, then the usual names of a bare problem.
@@ -81,7 +84,8 @@ def to_chat_prompt(value, template=DEFAULT_PROMPT_TEMPLATE):
 
 
 def to_prompt_dataset(dataset, column=None, template=DEFAULT_PROMPT_TEMPLATE):
-    """`dataset` reduced to one conversational `prompt` column built from `column` (see the module docstring).
+    """`dataset` reduced to one conversational `prompt` column built from `column` (see the module docstring), and
+    its `teacher_id` column if it has one.
 
     `column=None` picks the first of `PROMPT_COLUMNS` that exists. A missing column, or a row that holds neither text
     nor chat messages, raises a `ValueError` that names it; both happen before any model is loaded."""
@@ -100,5 +104,10 @@ def to_prompt_dataset(dataset, column=None, template=DEFAULT_PROMPT_TEMPLATE):
             raise ValueError(f"Row {index} of column {column!r}: {error}.") from None
 
     # Selecting first means the map reads one column, not every solution the dataset carries.
-    dataset = dataset.select_columns([column])
+    kept = (
+        [TEACHER_ID_COLUMN]
+        if TEACHER_ID_COLUMN in (dataset.column_names or ()) and column != TEACHER_ID_COLUMN
+        else []
+    )
+    dataset = dataset.select_columns([column, *kept])
     return dataset.map(convert, with_indices=True, remove_columns=[column])
