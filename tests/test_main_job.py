@@ -116,6 +116,32 @@ def test_the_multi_teacher_job_reports_each_skill_and_each_teacher(tmp_path):
         assert (tmp_path / name).is_file()
 
 
+def test_one_family_teacher_scores_every_skill(tmp_path):
+    # The one-teacher baseline: the addition teacher scores the subtraction prompts too, with one TV scale
+    flags = ["--embedded_teacher", "addition", "--output_dir", str(tmp_path), *SHORT]
+    assert run(["--config", str(RECIPES / "multi_teacher.yaml"), *flags]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["skills"]) == ["tiny", "tiny-subtraction"]
+    assert "final_tv_scales" not in summary and summary["final_tv_scale"] is not None  # one scheduler
+    skills = summary["skills"]
+    assert skills["tiny"]["teacher_accuracy"] > 0.9 > skills["tiny-subtraction"]["teacher_accuracy"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--embedded_teacher", "multiplication"], "names one of the multi-teacher family's teachers"),
+        (
+            ["--embedded_teacher", "addition", "--embedded_task", "addition"],
+            "goes with `embedded_task: multi_teacher`",
+        ),
+    ],
+)
+def test_embedded_teacher_names_a_family_teacher(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        run(["--config", str(RECIPES / "multi_teacher.yaml"), "--output_dir", str(tmp_path), *flags])
+
+
 def test_the_accuracy_curve_evaluates_the_named_jsonl_file_at_every_step(tmp_path):
     # A file whose stem is a registered name ("tiny") must still be the file, at every point of the curve
     problems = tmp_path / "data" / "tiny.jsonl"

@@ -56,6 +56,10 @@ class MainJobArguments:
             The embedded default the job runs without a model, teacher or dataset of its own: `"addition"` (the tiny
             pair) or `"multi_teacher"` (the tiny family's student weak at addition and subtraction, one teacher per
             skill, the prompts of both skills routed to their teacher).
+        embedded_teacher (`str`, *optional*):
+            With `embedded_task: multi_teacher`, the one teacher of the family (`addition` or `subtraction`) that
+            scores every prompt, the other skill's too, where it is wrong: the one-teacher baseline of
+            docs/multi-teacher.md. Defaults to routing each prompt to its own skill's teacher.
         dataset_name (`str`, *optional*):
             Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
             task's OPD prompt split.
@@ -101,6 +105,9 @@ class MainJobArguments:
     embedded_task: str = field(
         default="addition",
         metadata={"help": "Embedded default without a model or dataset of its own.", "choices": EMBEDDED_TASKS},
+    )
+    embedded_teacher: str | None = field(
+        default=None, metadata={"help": "With embedded_task multi_teacher: one family teacher for every prompt."}
     )
     dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration of `dataset_name`."})
@@ -213,6 +220,8 @@ def load_job(job_args, training_args):
     family = tiny.multi_teacher_paths() if multi_teacher else {"student": tiny.student_path(), "teachers": None}
     student_path = job_args.model_name_or_path or family["student"]
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
+    if job_args.embedded_teacher is not None:
+        family["teachers"] = family["teachers"][job_args.embedded_teacher]
     embedded_teacher = None if served else family["teachers"] or tiny.teacher_path()
     teacher_path = training_args.teacher_model_name_or_path or embedded_teacher
     check_model_source(student_path, "`model_name_or_path`")
@@ -289,6 +298,17 @@ def check_job_arguments(job_args, training_args):
             "`teacher_model_server_url`), or neither (the embedded tiny pair): a student and a teacher must share one "
             "tokenizer."
         )
+    if job_args.embedded_teacher is not None:
+        from .tiny import SKILLS
+
+        if job_args.embedded_task != "multi_teacher" or job_args.embedded_teacher not in SKILLS:
+            raise ValueError(
+                f"`embedded_teacher` names one of the multi-teacher family's teachers ({', '.join(SKILLS)}) and goes "
+                f"with `embedded_task: multi_teacher`; got {job_args.embedded_teacher!r} with `embedded_task: "
+                f"{job_args.embedded_task}`."
+            )
+        if teacher_named or training_args.teacher_model_server_url:
+            raise ValueError("`embedded_teacher` picks the embedded family's teacher: drop it, or your own teacher.")
     custom = job_args.model_name_or_path is not None or job_args.dataset_name is not None
     if custom and job_args.eval_problems > 0 and job_args.eval_benchmark == "tiny":
         raise ValueError(
