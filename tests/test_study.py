@@ -89,3 +89,31 @@ def test_the_smoke_grid_runs_resumes_and_reports(tmp_path):
     changed = load_study(_study_file(tmp_path, overrides={**study.overrides, "max_steps": 30}))
     with pytest.raises(ValueError, match=r"run with other settings \(\['max_steps'\] differ\)"):
         run_grid(changed)
+
+
+def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
+    with open("recipes/tiny/study_multi_teacher.yaml") as f:
+        raw = yaml.safe_load(f)
+    overrides = {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1, "eval_problems": 8}
+    raw |= {
+        "output_dir": str(tmp_path / "runs"),
+        "results_dir": str(tmp_path / "results"),
+        "seeds": [0],
+        "overrides": overrides | {"eval_k": 2, "eval_every_steps": 2},
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert cli(["study", "--config", str(path)]) == 0
+
+    results = tmp_path / "results"
+    for name in ("README.md", "tables.md", "accuracy_tiny.png", "accuracy_tiny-subtraction.png", "tv_scale.png"):
+        assert (results / name).is_file(), name
+    rows = json.loads((results / "results.json").read_text())["aggregates"]["Accuracy per skill"]
+    assert list(rows) == [method["name"] for method in raw["methods"].values()]
+    for method, slug in zip(rows, raw["methods"], strict=True):
+        summary = json.loads((tmp_path / "runs" / slug / "seed-0" / "summary.json").read_text())
+        for skill in ("tiny", "tiny-subtraction"):
+            assert rows[method][f"{skill}/after"][0] == summary["skills"][skill]["student_accuracy_after"]
+            assert rows[method][f"{skill}/gap"][0] == summary["skills"][skill]["gap_closed"]
+    tables = (results / "tables.md").read_text()
+    assert "Subtraction gap closed" in tables and "One teacher (addition)" in tables

@@ -86,7 +86,8 @@ def load_study(path):
     for slug, method in study.methods.items():
         if not isinstance(method, dict) or "name" not in method:
             raise ValueError(f"{path}: method {slug!r} needs a `name` (its title in tables) and its recipe overrides.")
-    missing = sorted(ANALYSIS_KEYS - set(study.analysis))
+    # A study across skills (several teachers) has its own analysis: per-skill accuracy and every teacher's scale.
+    missing = sorted(({"skills"} if "skills" in study.analysis else ANALYSIS_KEYS) - set(study.analysis))
     if missing:
         raise ValueError(f"{path}: `analysis` lacks {missing}.")
     for key, value in study.analysis.items():
@@ -217,17 +218,25 @@ def load_results(study):
             "first (it resumes where it stopped)."
         )
     benchmark = study.overrides.get("eval_benchmark", "tiny")
+    skills = study.analysis.get("skills", {benchmark: benchmark})
     results = {}
     for run in runs:
         with open(os.path.join(run.directory, "log_history.json")) as f:
             log_history = json.load(f)
         with open(os.path.join(run.directory, "summary.json")) as f:
             summary = json.load(f)
-        accuracy = {
-            step: scores[benchmark] for step, scores in load_run(run.directory, study.overrides["eval_k"]).items()
-        }
+        evaluations = load_run(run.directory, study.overrides["eval_k"])
+        by_skill = {skill: {step: scores[skill] for step, scores in evaluations.items()} for skill in skills}
         results.setdefault(run.method, []).append(
-            {"seed": run.seed, "accuracy": accuracy, "log_history": log_history, "summary": summary}
+            {
+                "seed": run.seed,
+                "accuracy": {
+                    step: sum(scores[s] for s in skills) / len(skills) for step, scores in evaluations.items()
+                },
+                "by_skill": by_skill,
+                "log_history": log_history,
+                "summary": summary,
+            }
         )
     return results
 
@@ -318,6 +327,72 @@ def _curves(study, results, methods, key=None):
     }
 
 
+def _scale_curves(study, results, metric="scale"):
+    """`{"method, teacher": [{step: value} per seed]}` of every TV scheduler's `metric`: each teacher's
+    (`tv/<teacher>/<metric>`) where a run has one per teacher, else the pooled one (`tv/<metric>`)."""
+    curves = {}
+    for method, runs in results.items():
+        keys = sorted({key for run in runs for entry in run["log_history"] for key in entry})
+        per_teacher = [key for key in keys if key.startswith("tv/") and key.count("/") == 2 and key.endswith(metric)]
+        # Per-teacher estimates are logged with a pooled scale too; a pooled scale is one curve.
+        if metric == "scale" and f"tv/{metric}" in keys:
+            per_teacher = []
+        for key in per_teacher or [f"tv/{metric}"]:
+            label = study.methods[method]["name"] + (f", {key.split('/')[1]}" if per_teacher else "")
+            curves[label] = [_history_series(run["log_history"], key) for run in runs]
+    return curves
+
+
+def analyze_skills(study, results, log=print):
+    """A study across skills: per skill, each method's accuracy before and after and the share of the gap it closed
+    (mean ± std over seeds), its accuracy curves, and every TV scheduler's c_k and estimate."""
+    from .eval.tables import format_table
+    from .plots import plot_curves
+
+    out = study.results_dir
+    skills = study.analysis["skills"]
+    rows, teachers = {}, {}
+    for method, runs in results.items():
+        row = {}
+        for skill in skills:
+            summaries = [run["summary"]["skills"][skill] for run in runs]
+            row[f"{skill}/before"] = _aggregate(s["student_accuracy_before"] for s in summaries)
+            row[f"{skill}/after"] = _aggregate(s["student_accuracy_after"] for s in summaries)
+            row[f"{skill}/gap"] = _aggregate(s["gap_closed"] for s in summaries)
+            teachers.setdefault(skill, set()).update(round(s["teacher_accuracy"], 4) for s in summaries)
+        rows[study.methods[method]["name"]] = row
+    columns = [f"{skill}/{column}" for skill in skills for column in ("before", "after", "gap")]
+    header = {
+        f"{skill}/{column}": f"{title} {label}"
+        for skill, title in skills.items()
+        for column, label in (("before", "before"), ("after", "after"), ("gap", "gap closed"))
+    }
+    k = study.overrides["eval_k"]
+    table = format_table(rows, columns, header=header)
+    teacher_note = "; ".join(
+        f"{skills[skill]}: {', '.join(f'{100 * a:.1f}%' for a in sorted(values))}"
+        for skill, values in teachers.items()
+    )
+    tables = (
+        f"### Accuracy per skill\n\nHeld-out mean@{k} (%) before and after training, and the share of the gap to the "
+        f"skill's teacher that training closed, mean ± sample std over seeds {study.seeds}. The teachers' accuracy on "
+        f"each skill (the teacher that scored it): {teacher_note}. Bold best, underlined second.\n\n{table}\n"
+    )
+    for skill, title in skills.items():
+        curves = {study.methods[m]["name"]: [run["by_skill"][skill] for run in runs] for m, runs in results.items()}
+        plot_curves(curves, os.path.join(out, f"accuracy_{skill}.png"), f"{title}: held-out mean@{k}")
+    plot_curves(_scale_curves(study, results), os.path.join(out, "tv_scale.png"), "c_k per TV scheduler", "c_k", 1)
+    plot_curves(
+        _scale_curves(study, results, "estimate"),
+        os.path.join(out, "tv_estimate.png"),
+        "On-policy TV estimate per teacher",
+        "total variation",
+        1,
+    )
+    figures = [f"accuracy_{skill}.png" for skill in skills] + ["tv_scale.png", "tv_estimate.png"]
+    return {"Accuracy per skill": rows}, tables, figures
+
+
 def analyze(study, log=print):
     """Writes the study's tables (Markdown, and all numbers in `results.json`) and figures into `study.results_dir`."""
     from .eval.tables import format_table
@@ -328,6 +403,9 @@ def analyze(study, log=print):
     out = study.results_dir
     os.makedirs(out, exist_ok=True)
     analysis = study.analysis
+    if "skills" in analysis:
+        numbers, tables, figures = analyze_skills(study, results, log)
+        return _write_results(study, results, numbers, [tables], figures, log)
     header = {
         "selected": "Selected",
         "final": "Final",
@@ -426,11 +504,20 @@ def analyze(study, log=print):
         + f"\n\n{abs_delta.numel()} sampled tokens.\n"
     )
 
+    figures = ["curves.png", "alpha_sweep.png", "magnitude_ablation.png", "tv_scale.png", "tv_estimate.png"]
+    return _write_results(study, results, numbers, tables, [*figures, "update_norm.png", "dispersion.png"], log)
+
+
+def _write_results(study, results, numbers, tables, figures, log):
+    out = study.results_dir
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(
             {
                 "aggregates": numbers,
-                "runs": {m: [{k: r[k] for k in ("seed", "accuracy")} for r in runs] for m, runs in results.items()},
+                "runs": {
+                    m: [{k: r[k] for k in ("seed", "accuracy", "by_skill")} for r in runs]
+                    for m, runs in results.items()
+                },
             },
             f,
             indent=1,
@@ -438,7 +525,7 @@ def analyze(study, log=print):
     with open(os.path.join(out, "tables.md"), "w") as f:
         f.write("\n".join(tables))
     with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(_readme(study, results, "\n".join(tables)))
+        f.write(_readme(study, results, "\n".join(tables), figures))
     log(f"tables, figures and results.json in {out}")
     return numbers
 
@@ -454,7 +541,7 @@ def wall_times(study):
     return max(ends) - min(starts), total
 
 
-def _readme(study, results, tables):
+def _readme(study, results, tables, figures):
     import platform
 
     import torch
@@ -474,7 +561,6 @@ Generated by `tvopd-trl study --config {study.source}` (`tvopd_trl.study`); do n
 - Wall time: {elapsed / 60:.0f} min from the first run's start to the last run's end (the runs' own times sum to
   {total / 60:.0f} min; the grid may have been resumed across sessions or shared the CPU with other work).
 - Files: `tables.md` (the tables below), `results.json` (every number, and each run's accuracy curve), and the
-  figures `curves.png`, `alpha_sweep.png`, `magnitude_ablation.png`, `tv_scale.png`, `tv_estimate.png`,
-  `update_norm.png`, `dispersion.png`.
+  figures {", ".join(f"`{name}`" for name in figures)}.
 
 {tables}"""
