@@ -114,6 +114,16 @@ def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
         summary = json.loads((tmp_path / "runs" / slug / "seed-0" / "summary.json").read_text())
         for skill in ("tiny", "tiny-subtraction"):
             assert rows[method][f"{skill}/after"][0] == summary["skills"][skill]["student_accuracy_after"]
-            assert rows[method][f"{skill}/gap"][0] == summary["skills"][skill]["gap_closed"]
+            if slug != "one_teacher":  # its subtraction teacher is the addition one, wrong there
+                assert rows[method][f"{skill}/gap"][0] == pytest.approx(summary["skills"][skill]["gap_closed"])
+    # The one-teacher baseline's subtraction gap is to the subtraction teacher, not to the wrong one it had
+    one = json.loads((tmp_path / "runs" / "one_teacher" / "seed-0" / "summary.json").read_text())["skills"]
+    own = json.loads((tmp_path / "runs" / "per_teacher_scale" / "seed-0" / "summary.json").read_text())["skills"]
+    sub = one["tiny-subtraction"]
+    expected = (sub["student_accuracy_after"] - sub["student_accuracy_before"]) / (
+        own["tiny-subtraction"]["teacher_accuracy"] - sub["student_accuracy_before"]
+    )
+    assert rows["One teacher (addition)"]["tiny-subtraction/gap"][0] == pytest.approx(expected)
+    assert sub["teacher_accuracy"] < 0.2 < own["tiny-subtraction"]["teacher_accuracy"]
     tables = (results / "tables.md").read_text()
     assert "Subtraction gap closed" in tables and "One teacher (addition)" in tables
