@@ -33,8 +33,8 @@ pair (about 4 minutes, bit-identical).
 The multi-teacher family (``checkpoints/multi_teacher``) adds a second skill, two-digit subtraction
 (``"Compute 86 - 47."`` -> ``\\boxed{39}``, ``a > b``), with the same tokenizer: a student weak at both skills and
 one teacher per skill that masters only its own, named by its skill (the `teacher_id` of the rows it supervises).
-Held-out accuracy (k=4, as above) on addition / subtraction: student 0.24 / 0.22, teacher ``"addition"`` 1.00 / 0.01,
-teacher ``"subtraction"`` 0.00 / 1.00. The student is a checkpoint of one run trained on both skills (40% / 60% of
+Held-out accuracy (k=4, as above) on addition / subtraction: student 0.25 / 0.20, teacher ``"addition"`` 1.00 / 0.01,
+teacher ``"subtraction"`` 0.00 / 1.00. The student is a checkpoint of one run trained on both skills (45% / 55% of
 every batch), taken just before both skills' accuracy transitions.
 ``python -m tvopd_trl.tiny.build --family multi-teacher`` rebuilds it (about 3 minutes, bit-identical; the default pair
 is unchanged).
