@@ -70,7 +70,8 @@ class MainJobArguments:
         dataset_prompt_column (`str`, *optional*):
             Column of `dataset_name` that holds the prompt: chat messages are used as they are, a problem text becomes
             one user turn followed by the evaluation's `\\boxed{}` instruction (`tvopd_trl.prompts`). Defaults to the
-            first of `prompt`, `question` and `problem` that exists. Every other column is dropped.
+            first of `prompt`, `question` and `problem` that exists. Every other column but `teacher_id` (the
+            routing of several teachers) is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
             the embedded tasks' held-out splits, `tiny` and `tiny-subtraction`) or a JSONL file with `id`, `problem`
@@ -219,9 +220,9 @@ def load_job(job_args, training_args):
     multi_teacher = job_args.embedded_task == "multi_teacher"
     family = tiny.multi_teacher_paths() if multi_teacher else {"student": tiny.student_path(), "teachers": None}
     student_path = job_args.model_name_or_path or family["student"]
-    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
     if job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
+    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
     embedded_teacher = None if served else family["teachers"] or tiny.teacher_path()
     teacher_path = training_args.teacher_model_name_or_path or embedded_teacher
     check_model_source(student_path, "`model_name_or_path`")

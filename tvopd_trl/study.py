@@ -343,7 +343,7 @@ def _scale_curves(study, results, metric="scale"):
     return curves
 
 
-def analyze_skills(study, results, log=print):
+def analyze_skills(study, results):
     """A study across skills: per skill, each method's accuracy before and after and the share of the gap it closed
     (mean ± std over seeds), its accuracy curves, and every TV scheduler's c_k and estimate."""
     from .eval.tables import format_table
@@ -410,7 +410,7 @@ def analyze(study, log=print):
     os.makedirs(out, exist_ok=True)
     analysis = study.analysis
     if "skills" in analysis:
-        numbers, tables, figures = analyze_skills(study, results, log)
+        numbers, tables, figures = analyze_skills(study, results)
         return _write_results(study, results, numbers, [tables], figures, log)
     header = {
         "selected": "Selected",
@@ -510,8 +510,8 @@ def analyze(study, log=print):
         + f"\n\n{abs_delta.numel()} sampled tokens.\n"
     )
 
-    figures = ["curves.png", "alpha_sweep.png", "magnitude_ablation.png", "tv_scale.png", "tv_estimate.png"]
-    return _write_results(study, results, numbers, tables, [*figures, "update_norm.png", "dispersion.png"], log)
+    figures = [*figures, "dispersion.png"]
+    return _write_results(study, results, numbers, tables, figures, log)
 
 
 def _write_results(study, results, numbers, tables, figures, log):
