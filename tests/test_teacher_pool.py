@@ -193,7 +193,7 @@ def test_replicas_are_probed_before_any_model_loads(start_replicas, tokenizer):
     with pytest.raises(ConnectionError, match=r"The teacher server 'teacher' at http://127.0.0.1:9 did not answer"):
         connect_teacher_pool(dead[0], 0, "the teacher server 'teacher'")
 
-    late, server = start_replicas(2)
+    late, server = start_replicas(2, delay=0.05)  # slow enough that a probe fails while chunks are in flight
     late.stop()
     with pytest.warns(UserWarning, match=rf"1 of its 2 replicas did not answer within 0 s \({late.url}\)"):
         pool = connect_teacher_pool([late.url, server.url], 0, "the teacher server 'teacher'", **FAST)
@@ -201,6 +201,21 @@ def test_replicas_are_probed_before_any_model_loads(start_replicas, tokenizer):
     expected = local_logps(server.handler.teacher, batch, 1.0)
     torch.testing.assert_close(pool.score(batch, 1.0), expected, atol=1e-5, rtol=0)
     assert pool.last_stats["retries"] == 0 and pool.last_stats["replicas_down"] == 1
+
+    # While it stays down, its probes fail like requests do: the others go on scoring
+    time.sleep(FAST["cooldown"])
+    torch.testing.assert_close(pool.score(batch, 1.0), expected, atol=1e-5, rtol=0)
+    time.sleep(FAST["cooldown"])
+    torch.testing.assert_close(pool.score(batch, 1.0), expected, atol=1e-5, rtol=0)
+    assert pool.replicas[0].client is None and pool.last_stats["replicas_down"] == 1
+
+    # Back but failing (its engine died: 503 on every endpoint), it fails its probe and stays aside
+    (late,) = start_replicas(1, port=late.port, fail_after=0)
+    failures = pool.replicas[0].failures
+    time.sleep(FAST["cooldown"])
+    torch.testing.assert_close(pool.score(batch, 1.0), expected, atol=1e-5, rtol=0)
+    assert pool.replicas[0].client is None and pool.replicas[0].failures > failures
+    late.stop()
 
     # The replica that was down at the start gets its client once it answers a probe
     (late,) = start_replicas(1, port=late.port)

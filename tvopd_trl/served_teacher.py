@@ -161,13 +161,21 @@ class TeacherServerPool:
         return replica.client is not None and replica.failures < self.max_failures
 
     def _probe(self, replica):
-        """The replica's client once its health check answers (built on the first answer); raises otherwise."""
-        if replica.client is None:
-            from trl.generation.vllm_client import VLLMClient
+        """The replica's client once its health check answers (built on the first answer); raises a `requests`
+        exception otherwise, as a failed request does."""
+        import requests
 
+        if replica.client is not None:
+            replica.client.session.get(f"{replica.client.base_url}/health").raise_for_status()
+            return replica.client
+        from trl.generation.vllm_client import VLLMClient
+
+        # Asked here first: TRL's health check waits forever on a server that answers with an error status
+        requests.get(f"{replica.url.rstrip('/')}/health", timeout=self.request_timeout).raise_for_status()
+        try:
             return self._attach(VLLMClient(base_url=replica.url, connection_timeout=0))
-        replica.client.session.get(f"{replica.client.base_url}/health").raise_for_status()
-        return replica.client
+        except Exception as error:  # TRL raises a bare `Exception` when `/v1/models` answers with an error status
+            raise requests.exceptions.ConnectionError(f"{replica.url} is not ready: {error}") from error
 
     def score(self, batch, temperature):
         """
