@@ -452,3 +452,23 @@ def test_callback_refuses_evaluations_left_by_an_earlier_run(make_trainer, tmp_p
 
 def test_a_gold_answer_math_verify_cannot_parse_is_reported():
     assert grade(["5", "5"], ["5", "\\text{}"]) == ["correct", "invalid_gold"]
+
+
+def test_the_jobs_accuracy_averages_its_own_benchmarks_only(tmp_path):
+    # An earlier evaluation of the same model and protocol left another benchmark in the folder: it is kept in
+    # results.json, and stays out of the job's accuracy.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tvopd_trl.job import Accuracy, MainJobArguments
+    from tvopd_trl.tiny import student_path
+
+    tokenizer = AutoTokenizer.from_pretrained(student_path())
+    accuracy = Accuracy(MainJobArguments(eval_problems=3, eval_k=2, eval_benchmark="tiny"), tokenizer)
+    perfect = {p.problem: p.answer for p in load_problems("tiny-subtraction")}
+    generator = fixed_generator(lambda content: [f"\\boxed{{{perfect[content]}}}"] * 2)
+    evaluate(generator, ["tiny-subtraction"], accuracy.settings, tmp_path, limit=3, model="student")
+    student = AutoModelForCausalLM.from_pretrained(student_path())
+    scores = accuracy.scores(student, output_dir=str(tmp_path), model_id="student")
+    saved = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
+    assert set(saved) == {"tiny", "tiny-subtraction"} and saved["tiny-subtraction"]["mean@2"] == 1.0
+    assert list(scores) == ["tiny"] and scores["tiny"] == saved["tiny"]["mean@2"]

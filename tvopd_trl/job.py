@@ -277,7 +277,8 @@ class Accuracy:
             accelerator=accelerator,
             **self.options,
         )
-        return {name: mean_at_k(result) for name, result in results["benchmarks"].items()}
+        # Only the job's benchmarks: `results` also holds those an earlier evaluation left in `output_dir`.
+        return {benchmark.name: mean_at_k(results["benchmarks"][benchmark.name]) for benchmark in self.benchmarks}
 
     def __call__(self, model, greedy=False, output_dir=None, model_id=None, accelerator=None):
         """The mean over the benchmarks of `scores`."""

@@ -122,15 +122,17 @@ class BenchmarkEvalCallback(TrainerCallback):
         return {f"eval/{b.name}/mean@{k}": mean_at_k(results["benchmarks"][b.name]) for b in self.benchmarks}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            self._set_aside_later_evaluations(args, state)
+        self._set_aside_later_evaluations(args, state)
         if self.at_start and state.global_step == 0:
             self.trainer.log(self._evaluate(args, state))
 
     def _set_aside_later_evaluations(self, args, state):
+        """On every process, so that an error stops them all; the main process moves the files."""
         later = [step for step in evaluated_steps(args.output_dir, self.settings.k) if step > state.global_step]
         if later and state.global_step > 0:
             # A resume: the interrupted run evaluated past its last checkpoint, and this run redoes those steps.
+            if not state.is_world_process_zero:
+                return
             kept = os.path.join(args.output_dir, f"eval-superseded-{time.strftime('%Y%m%d-%H%M%S')}")
             for step in later:
                 source = step_dir(args.output_dir, step, self.settings.k)

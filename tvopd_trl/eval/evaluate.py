@@ -84,11 +84,12 @@ def evaluate(
     protocol = evaluation_protocol(settings, limit, prompt_template, model)
     results = {"benchmarks": {}, **protocol, **(metadata or {})}
     writes = output_dir is not None and (accelerator is None or accelerator.is_main_process)
+    # Read on every process: a refusal on the main process alone would leave the others waiting in generation.
+    previous = None if output_dir is None else read_results(output_dir)
+    if previous is not None:
+        check_protocol(output_dir, previous, protocol)
+        results["benchmarks"] = previous["benchmarks"]
     if writes:
-        previous = read_results(output_dir)
-        if previous is not None:
-            check_protocol(output_dir, previous, protocol)
-            results["benchmarks"] = previous["benchmarks"]
         os.makedirs(output_dir, exist_ok=True)
     for benchmark in benchmarks:
         start = time.perf_counter()
