@@ -211,6 +211,28 @@ def test_main_job_with_a_served_teacher(teacher_server, tmp_path):
     assert len(_VLLMStandIn.requests) == 3
 
 
+def test_main_job_with_a_local_and_a_served_teacher(teacher_server, tmp_path):
+    import json
+    from pathlib import Path
+
+    from tvopd_trl import tiny
+    from tvopd_trl.scripts.train import run
+
+    family = tiny.multi_teacher_paths()
+    _VLLMStandIn.teacher = AutoModelForCausalLM.from_pretrained(family["teachers"]["subtraction"]).eval()
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "multi_teacher.yaml"
+    flags = ["--model_name_or_path", family["student"], "--output_dir", str(tmp_path)]
+    flags += ["--teacher_model_name_or_path", json.dumps(family["teachers"])]  # the served one: its tokenizer
+    flags += ["--teacher_model_server_url", json.dumps({"subtraction": teacher_server})]
+    flags += ["--max_steps", "2", "--per_device_train_batch_size", "16", "--eval_problems", "4", "--eval_k", "1"]
+    run(["--config", str(recipe), *flags, "--eval_every_steps", "0", "--logging_steps", "1"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["teacher"] == {"addition": family["teachers"]["addition"], "subtraction": teacher_server}
+    assert set(summary["teachers"]) == {"addition", "addition_greedy"}  # the local teacher is evaluated
+    assert len(_VLLMStandIn.requests) == 2  # one request a rollout, for the subtraction rows
+    assert set(summary["final_tv_scales"]) == {"tv/addition/scale", "tv/subtraction/scale"}
+
+
 def test_a_served_and_a_local_teacher_each_score_their_own_rows(make_trainer, teacher_server, model_dirs, tmp_path):
     from tvopd_trl.tiny import prompt_dataset
 

@@ -57,14 +57,22 @@ def main(job_args, training_args):
     start = time.perf_counter()
     state = PartialState()
     check_job_arguments(job_args, training_args)
-    served = training_args.teacher_model_server_url is not None
+    servers = training_args.teacher_model_server_url
     student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
+    local_teachers = teacher_path
+    if servers is not None:
+        # `teacher_model_name_or_path` names the served teachers' tokenizers; its other names are local teachers.
+        mixed = isinstance(servers, dict) and isinstance(teacher_path, dict)
+        local_teachers = {name: path for name, path in teacher_path.items() if name not in servers} if mixed else None
+    teacher_sources = (
+        {**local_teachers, **servers} if servers is not None and local_teachers else servers or teacher_path
+    )
 
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
     trainer = TVOPDTrainer(
         model=student_path,
-        teacher_model=None if served else teacher_path,
+        teacher_model=local_teachers or None,
         args=training_args,
         train_dataset=train_dataset,
         processing_class=tokenizer,
@@ -167,7 +175,7 @@ def main(job_args, training_args):
             "accuracy_curve": history,
             **({"accuracy_curves": curves} if accuracy is not None and len(accuracy.benchmarks) > 1 else {}),
             "student": student_path,
-            "teacher": training_args.teacher_model_server_url if served else teacher_path,
+            "teacher": teacher_sources,
             "plots": [os.path.basename(path) for path in plots],
             "job_args": asdict(job_args),
         }
