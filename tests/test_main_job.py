@@ -166,3 +166,13 @@ def test_the_accuracy_curve_evaluates_the_named_jsonl_file_at_every_step(tmp_pat
     for step in (0, 2, 4):
         records = (out / "eval" / "mean@2" / f"step-{step}" / "tiny.jsonl").read_text().splitlines()
         assert {json.loads(line)["problem_id"] for line in records} == {row["id"] for row in rows}, step
+
+
+def test_a_recipes_embedded_task_is_checked(tmp_path):
+    # A recipe's value does not go through the command line's choices
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        (RECIPES / "multi_teacher.yaml").read_text().replace("task: multi_teacher", "task: multi-teacher")
+    )
+    with pytest.raises(ValueError, match=r"Unknown `embedded_task` 'multi-teacher'; choose one of addition, multi_"):
+        run(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])

@@ -77,6 +77,23 @@ def test_routing_errors_come_before_any_model_loads(teachers, dataset, message, 
         )
 
 
+@pytest.mark.parametrize(
+    ("eval_dataset", "message"),
+    [
+        (lambda: prompt_dataset("test", 4), "lacks"),
+        (lambda: {"held_out": routed(4, names=("wide", "other"))}, r"unknown teachers \['other'\]"),
+    ],
+)
+def test_an_eval_dataset_is_routed_too(eval_dataset, message, tmp_path):
+    teachers = {"wide": "T", "self": "S"}
+    kwargs = dict(model="/missing/student", teacher_model=teachers, args=tiny_config(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        TVOPDTrainer(**kwargs, train_dataset=routed(8), eval_dataset=eval_dataset())
+    # An evaluation set may hold one teacher's prompts only: past the routing checks, to the missing student
+    with pytest.raises(OSError):
+        TVOPDTrainer(**kwargs, train_dataset=routed(8), eval_dataset=routed(4, pattern=[0] * 4))
+
+
 def test_a_name_both_local_and_served_is_refused(tmp_path):
     args = tiny_config(tmp_path, teacher_model_server_url='{"wide": "http://localhost:1"}')
     assert args.teacher_model_server_url == {"wide": "http://localhost:1"}  # JSON from the command line

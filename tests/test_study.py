@@ -35,6 +35,22 @@ def test_a_bad_study_file_is_refused(tmp_path, change, message):
         load_study(_study_file(tmp_path, **change))
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"analysis": {"skills": {"tiny": "Addition", "aime24": "AIME"}}}, r"names \['aime24'\], which method"),
+        ({"overrides": {"eval_k": 4, "eval_teacher": False}}, "sets `eval_teacher: false`"),
+    ],
+)
+def test_a_study_across_skills_is_checked_before_it_runs(tmp_path, change, message):
+    with open("recipes/tiny/study_multi_teacher.yaml") as f:
+        raw = yaml.safe_load(f) | change
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(ValueError, match=message):
+        load_study(str(path))
+
+
 def test_analysis_must_name_defined_methods(tmp_path):
     study = load_study(SMOKE)
     with pytest.raises(ValueError, match=r"analysis.curve_methods names methods \['tv_lr'\]"):

@@ -41,7 +41,7 @@ LOGIT_POSTPROCESSING_ATTRIBUTES = (
 )
 
 
-def check_inputs(args, train_dataset, processing_class, tools, teacher_model):
+def check_inputs(args, train_dataset, processing_class, tools, teacher_model, eval_dataset=None):
     """Everything about the arguments that is wrong whatever the models turn out to be (paths aside: see
     `check_paths`). Returns the teachers' sources, `(local, served)` (see `teacher_sources`)."""
     local, served = teacher_sources(teacher_model, args.teacher_model_server_url)
@@ -62,6 +62,8 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model):
             "Set tv_scale_per_teacher=False (one scale pooled over every teacher) or tv_scale_target='advantage'."
         )
     check_routing(train_dataset, names)
+    for evaluation in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
+        check_routing(evaluation, names, every_teacher=False)
     if (args.use_vllm or served) and not is_vllm_available():
         feature = "use_vllm=True" if args.use_vllm else "teacher_model_server_url"
         raise ImportError(

@@ -300,6 +300,10 @@ def check_job_arguments(job_args, training_args):
             "`teacher_model_server_url`), or neither (the embedded tiny pair): a student and a teacher must share one "
             "tokenizer."
         )
+    if job_args.embedded_task not in EMBEDDED_TASKS:  # a recipe's value does not go through argparse's `choices`
+        raise ValueError(
+            f"Unknown `embedded_task` {job_args.embedded_task!r}; choose one of {', '.join(EMBEDDED_TASKS)}."
+        )
     if job_args.embedded_teacher is not None:
         from .tiny import SKILLS
 

@@ -87,21 +87,46 @@ def load_study(path):
         if not isinstance(method, dict) or "name" not in method:
             raise ValueError(f"{path}: method {slug!r} needs a `name` (its title in tables) and its recipe overrides.")
     # A study across skills (several teachers) has its own analysis: per-skill accuracy and every teacher's scale.
-    missing = sorted(({"skills"} if "skills" in study.analysis else ANALYSIS_KEYS) - set(study.analysis))
-    if missing:
-        raise ValueError(f"{path}: `analysis` lacks {missing}.")
+    if "skills" not in study.analysis:
+        missing = sorted(ANALYSIS_KEYS - set(study.analysis))
+        if missing:
+            raise ValueError(f"{path}: `analysis` lacks {missing}.")
     for key, value in study.analysis.items():
         unknown = sorted(set(value) - set(study.methods)) if key.endswith(("methods", "sweep", "ablation")) else []
         if unknown:
             raise ValueError(f"{path}: analysis.{key} names methods {unknown} that `methods` does not define.")
     try:
-        find_recipe(study.recipe)  # the runs' `--config`, which takes a packaged recipe's name too
+        recipe = find_recipe(study.recipe)  # the runs' `--config`, which takes a packaged recipe's name too
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{path}: the recipe {study.recipe} does not exist, as a file (relative to the cwd) or as a packaged "
             "recipe (`tvopd-trl recipes` lists those)."
         ) from None
+    if "skills" in study.analysis:
+        _check_skills(path, study, recipe)
     return study
+
+
+def _check_skills(path, study, recipe):
+    """The skills of an analysis across skills are benchmarks that every run evaluates, with its teachers."""
+    import yaml
+
+    with open(recipe) as f:
+        shared = {**yaml.safe_load(f), **study.overrides}
+    for slug, method in study.methods.items():
+        settings = {**shared, **method}
+        benchmarks = [name.strip() for name in str(settings.get("eval_benchmark", "tiny")).split(",")]
+        unknown = sorted(set(study.analysis["skills"]) - set(benchmarks))
+        if unknown:
+            raise ValueError(
+                f"{path}: analysis.skills names {unknown}, which method {slug!r} does not evaluate (its "
+                f"`eval_benchmark`: {', '.join(benchmarks)})."
+            )
+        if settings.get("eval_teacher", True) is False:
+            raise ValueError(
+                f"{path}: method {slug!r} sets `eval_teacher: false`; an analysis across skills measures each skill's "
+                "gap to its teacher."
+            )
 
 
 def grid(study):
@@ -334,9 +359,6 @@ def _scale_curves(study, results, metric="scale"):
     for method, runs in results.items():
         keys = sorted({key for run in runs for entry in run["log_history"] for key in entry})
         per_teacher = [key for key in keys if key.startswith("tv/") and key.count("/") == 2 and key.endswith(metric)]
-        # Per-teacher estimates are logged with a pooled scale too; a pooled scale is one curve.
-        if metric == "scale" and f"tv/{metric}" in keys:
-            per_teacher = []
         for key in per_teacher or [f"tv/{metric}"]:
             label = study.methods[method]["name"] + (f", {key.split('/')[1]}" if per_teacher else "")
             curves[label] = [_history_series(run["log_history"], key) for run in runs]
@@ -346,6 +368,7 @@ def _scale_curves(study, results, metric="scale"):
 def analyze_skills(study, results):
     """A study across skills: per skill, each method's accuracy before and after and the share of the gap it closed
     (mean ± std over seeds), its accuracy curves, and every TV scheduler's c_k and estimate."""
+    from .eval.selection import gap_closed
     from .eval.tables import format_table
     from .plots import plot_curves
 
@@ -364,11 +387,11 @@ def analyze_skills(study, results):
             summaries = [run["summary"]["skills"][skill] for run in runs]
             row[f"{skill}/before"] = _aggregate(s["student_accuracy_before"] for s in summaries)
             row[f"{skill}/after"] = _aggregate(s["student_accuracy_after"] for s in summaries)
-            row[f"{skill}/gap"] = _aggregate(
-                (s["student_accuracy_after"] - s["student_accuracy_before"])
-                / (best[skill] - s["student_accuracy_before"])
-                for s in summaries
-            )
+            gaps = [
+                gap_closed(s["student_accuracy_before"], s["student_accuracy_after"], best[skill]) for s in summaries
+            ]
+            gaps = [gap for gap in gaps if gap is not None]
+            row[f"{skill}/gap"] = _aggregate(gaps) if gaps else None
         rows[study.methods[method]["name"]] = row
     columns = [f"{skill}/{column}" for skill in skills for column in ("before", "after", "gap")]
     header = {

@@ -95,9 +95,10 @@ def teacher_processing_classes(teacher_processing_class, names) -> dict[str, Any
     return dict.fromkeys(names, teacher_processing_class)
 
 
-def check_routing(dataset, names) -> None:
-    """With several teachers, every prompt of `dataset` names one of them in `teacher_id`; a teacher no prompt names
-    is an error too (its scale would never move). An iterable dataset is checked as its rows are drawn."""
+def check_routing(dataset, names, every_teacher=True) -> None:
+    """With several teachers, every prompt of `dataset` names one of them in `teacher_id`; with `every_teacher` (the
+    training set), a teacher no prompt names is an error too (its scale would never move). An iterable dataset is
+    checked as its rows are drawn."""
     if len(names) < 2 or dataset is None:
         return
     columns = getattr(dataset, "column_names", None)
@@ -115,7 +116,7 @@ def check_routing(dataset, names) -> None:
             f"Prompts name unknown teachers {unknown} in `{TEACHER_ID_COLUMN}`; the teachers are {names}."
         )
     unused = [name for name in names if name not in used]
-    if unused:
+    if unused and every_teacher:
         raise ValueError(
             f"No prompt names teacher {unused[0]!r} in `{TEACHER_ID_COLUMN}`: drop it, or route prompts to it."
         )

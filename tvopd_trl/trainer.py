@@ -139,7 +139,9 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             args = TVOPDConfig(f"{name.split('/')[-1]}-TVOPD")
         if not isinstance(args, TVOPDConfig):
             raise TypeError(f"`args` must be a TVOPDConfig, got {type(args).__name__}.")
-        local_teachers, served_teachers = check_inputs(args, train_dataset, processing_class, tools, teacher_model)
+        local_teachers, served_teachers = check_inputs(
+            args, train_dataset, processing_class, tools, teacher_model, eval_dataset
+        )
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
             url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
@@ -215,9 +217,8 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         self._sampler_logps = None
         self._truncated_prompts = 0
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
-        # The c_k of the rollout batch being trained on, read once at its first step (`LearningRateScaleCallback` reads
-        # it too)
         # The c_k of each scale (one per teacher, or one), read at the first step of a rollout batch and held for it
+        # (`LearningRateScaleCallback` reads it too)
         self.rollout_scales = [1.0] * (len(self.teachers) if self.per_teacher_scale else 1)
         # Per scale: (U, N, sum of the exact TV) of the rollout's first pass
         self._rollout_tv = torch.zeros(len(self.rollout_scales), 3, device=self.accelerator.device)

@@ -120,6 +120,12 @@ def select_checkpoint(run, benchmarks=PAPER_BENCHMARKS, min_step=1, max_step=100
     return Selection(step, {name: run[step][name] for name in benchmarks}, means[step])
 
 
+def gap_closed(before, after, teacher):
+    """(after - before) / (teacher - before): the share of the teacher-student gap that training closed; `None`
+    without a gap."""
+    return (after - before) / (teacher - before) if teacher != before else None
+
+
 def mean_std(values):
     """(mean, sample standard deviation) of `values`; the deviation is `None` for a single value."""
     values = list(values)

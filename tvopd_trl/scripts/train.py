@@ -35,6 +35,7 @@ from dataclasses import asdict
 
 from transformers import AutoTokenizer
 
+from ..eval.selection import gap_closed
 from ..job import (
     Accuracy,
     MainJobArguments,  # noqa: F401  (moved to `tvopd_trl.job`; this import keeps working)
@@ -218,8 +219,7 @@ def _gap_closed(results):
     keys = ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy")
     if any(key not in results for key in keys):
         return None
-    before, after, teacher = (results[key] for key in keys)
-    return (after - before) / (teacher - before) if teacher != before else None
+    return gap_closed(*(results[key] for key in keys))
 
 
 def _summary_table(summary):
