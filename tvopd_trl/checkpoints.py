@@ -33,6 +33,9 @@ import torch
 ROLLOUT_STATE_NAME = "rollout_state_{process}.pt"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin", "adapter_model.bin")
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# Folders that hold the weights: DeepSpeed's, and FSDP's sharded state dict (transformers' `FSDP_MODEL_NAME`)
+_WEIGHT_FOLDERS = ("global_step*", "pytorch_model_fsdp_*")
 
 
 def missing_parts(checkpoint):
@@ -43,16 +46,17 @@ def missing_parts(checkpoint):
             json.load(f)
     except (OSError, ValueError):
         missing.append("a readable trainer_state.json")
-    index = os.path.join(checkpoint, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    index = next((name for name in _INDEXES if os.path.isfile(os.path.join(checkpoint, name))), None)
+    if index is not None:
         try:
-            with open(index) as f:
+            with open(os.path.join(checkpoint, index)) as f:
                 shards = set(json.load(f)["weight_map"].values())
         except (OSError, ValueError, KeyError):
-            shards = {"model.safetensors.index.json"}
+            missing.append(f"a readable {index}")
+            shards = set()
         missing += [shard for shard in sorted(shards) if not os.path.isfile(os.path.join(checkpoint, shard))]
-    elif not any(os.path.isfile(os.path.join(checkpoint, name)) for name in _WEIGHTS) and not glob.glob(
-        os.path.join(checkpoint, "global_step*")
+    elif not any(os.path.isfile(os.path.join(checkpoint, name)) for name in _WEIGHTS) and not any(
+        glob.glob(os.path.join(checkpoint, pattern)) for pattern in _WEIGHT_FOLDERS
     ):
         missing.append("model weights")
     return missing

@@ -111,3 +111,26 @@ def test_resuming_from_an_incomplete_checkpoint_by_path_is_refused(tmp_path):
         trainer.train(resume_from_checkpoint=str(checkpoint))
     with pytest.raises(ValueError, match="No complete checkpoint-N"):
         trainer.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.parametrize(
+    "layout, missing",
+    [
+        ({"model.safetensors": ""}, []),
+        ({"global_step4/mp_rank_00_model_states.pt": ""}, []),  # DeepSpeed
+        ({"pytorch_model_fsdp_0/__0_0.distcp": ""}, []),  # FSDP's sharded state dict
+        ({"pytorch_model.bin.index.json": '{"weight_map": {"a": "pytorch_model-00001-of-00002.bin",'
+          ' "b": "pytorch_model-00002-of-00002.bin"}}', "pytorch_model-00001-of-00002.bin": ""},
+         ["pytorch_model-00002-of-00002.bin"]),
+        ({"model.safetensors.index.json": "{"}, ["a readable model.safetensors.index.json"]),  # cut short
+        ({"optimizer.pt": ""}, ["model weights"]),
+    ],
+)  # fmt: skip
+def test_every_weights_layout_counts_as_complete_when_whole(tmp_path, layout, missing):
+    from tvopd_trl.checkpoints import missing_parts
+
+    (tmp_path / "trainer_state.json").write_text("{}")
+    for name, text in layout.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert missing_parts(str(tmp_path)) == missing
