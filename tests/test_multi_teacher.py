@@ -277,3 +277,17 @@ def test_exact_divergences_need_output_layers_of_one_size(make_trainer, model_di
     teacher, _ = padded_copy(model_dirs["teacher"], tmp_path, "teacher")
     with pytest.raises(ValueError, match=r"output layers of one size; these have \[300, 320\]"):
         make_trainer(tiny_config(tmp_path / "run", log_exact_tv=True), teacher_model=teacher)
+
+
+def test_resuming_with_the_other_scale_layout_is_refused(make_trainer, two_teachers, tmp_path):
+    def trainer(per_teacher, max_steps):
+        args = tiny_config(
+            tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, tv_scale_per_teacher=per_teacher
+        )
+        return make_trainer(args, teacher_model=two_teachers, train_dataset=routed(16))
+
+    trainer(True, 2).train()
+    with pytest.raises(
+        ValueError, match=r"holds a TV scheduler per teacher, .* resume with tv_scale_per_teacher=True"
+    ):
+        trainer(False, 4).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

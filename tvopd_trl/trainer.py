@@ -261,9 +261,15 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
     @property
     def _tv_schedulers(self):
         """The schedulers in use, in the order of `rollout_scales`: one per teacher, or the pooled one."""
+        schedulers = self._tv_schedule.teacher_schedulers
+        if bool(schedulers) != self.per_teacher_scale:  # a resume that changed `tv_scale_per_teacher`
+            held = "a TV scheduler per teacher" if schedulers else "one pooled TV scheduler"
+            raise ValueError(
+                f"The checkpoint holds {held}, but this run sets tv_scale_per_teacher={self.per_teacher_scale}: "
+                f"resume with tv_scale_per_teacher={bool(schedulers)}, or start a fresh run."
+            )
         if not self.per_teacher_scale:
             return [self._tv_scheduler]
-        schedulers = self._tv_schedule.teacher_schedulers
         if set(schedulers) != set(self.teachers):
             raise ValueError(
                 f"The checkpoint holds TV schedulers for teachers {sorted(schedulers)}, but this run's teachers are "
