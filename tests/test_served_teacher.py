@@ -158,6 +158,21 @@ def test_training_with_a_served_teacher(make_trainer, teacher_server, tmp_path, 
     assert len(_VLLMStandIn.requests) == 3  # one prefill request per rollout batch
 
 
+def test_evaluation_requests_are_logged_as_evaluation_metrics(make_trainer, teacher_server, tmp_path, tokenizer):
+    from tvopd_trl.tiny import prompt_dataset
+
+    trainer = served_trainer(
+        make_trainer, teacher_server, tmp_path, tokenizer, max_steps=1, per_device_eval_batch_size=4
+    )
+    trainer.eval_dataset = prompt_dataset("test", 4)
+    trainer.train()
+    train_requests = sum(1 for entry in trainer.state.log_history if "teacher/request_seconds" in entry)
+    metrics = trainer.evaluate()
+    assert metrics["eval_teacher/request_seconds"] > 0 and metrics["eval_teacher/replicas_down"] == 0
+    assert sum(1 for entry in trainer.state.log_history if "teacher/request_seconds" in entry) == train_requests
+    assert len(_VLLMStandIn.requests) == 2  # one rollout, one evaluation batch
+
+
 def test_an_unreachable_server_fails_before_any_model_loads(monkeypatch, tmp_path):
     import trl.generation.vllm_client
 

@@ -65,7 +65,9 @@ class CompletionScoringMixin:
                     scores = [teacher.client.score(routed, self.temperature).to(self.accelerator.device)]
                     for stat, value in teacher.client.last_stats.items():
                         self.record_metric(
-                            f"teacher/{stat}" if len(self.teachers) == 1 else f"teacher/{teacher.name}/{stat}", value
+                            f"teacher/{stat}" if len(self.teachers) == 1 else f"teacher/{teacher.name}/{stat}",
+                            value,
+                            mode="train" if self.model.training else "eval",
                         )
                 else:
                     teacher.model.eval()  # whatever another callback or user did to it since construction
