@@ -61,14 +61,12 @@ def main(job_args, training_args):
     servers = training_args.teacher_model_server_url
     student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
-    local_teachers = teacher_path
+    local_teachers = teacher_sources = teacher_path
     if servers is not None:
         # `teacher_model_name_or_path` names the served teachers' tokenizers; its other names are local teachers.
         mixed = isinstance(servers, dict) and isinstance(teacher_path, dict)
         local_teachers = {name: path for name, path in teacher_path.items() if name not in servers} if mixed else None
-    teacher_sources = (
-        {**local_teachers, **servers} if servers is not None and local_teachers else servers or teacher_path
-    )
+        teacher_sources = {**local_teachers, **servers} if local_teachers else servers
 
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
     trainer = TVOPDTrainer(
