@@ -12,6 +12,8 @@ from tvopd_trl.scripts.train import run
 
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "tiny"
+# The long-completion task's recipes (recipes/tiny/long_*.yaml), one per method of its study
+LONG_MODES = {"tvopd": "tv"}
 PLOTS = ("accuracy.png", "tv.png", "update_norm.png", "advantage_dispersion.png")
 SHORT = [
     "--max_steps",
@@ -59,7 +61,8 @@ def test_every_tiny_recipe_parses_into_its_mode():
         _, training_args = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", "unused"])
         modes[recipe.stem] = training_args.advantage_mode
     expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
-    assert modes == {**expected, "multi_teacher": "tv"}
+    long = {f"long_{name}": mode for name, mode in LONG_MODES.items()}
+    assert modes == {**expected, "multi_teacher": "tv", **long}
 
 
 def test_console_command_launches_through_accelerate(tmp_path):

@@ -32,7 +32,9 @@ from .packaged_recipes import find_recipe
 
 
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
-EMBEDDED_TASKS = ("addition", "multi_teacher")
+EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition")
+# The held-out splits that grade each embedded task (`eval_benchmark`)
+EMBEDDED_BENCHMARKS = {"addition": "tiny", "multi_teacher": "tiny,tiny-subtraction", "long_addition": "tiny-long-addition"}
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
 CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
@@ -54,8 +56,11 @@ class MainJobArguments:
             the dataset's `teacher_id` column (docs/multi-teacher.md).
         embedded_task (`str`, *optional*, defaults to `"addition"`):
             The embedded default the job runs without a model, teacher or dataset of its own: `"addition"` (the tiny
-            pair) or `"multi_teacher"` (the tiny family's student weak at addition and subtraction, one teacher per
-            skill, the prompts of both skills routed to their teacher).
+            pair), `"multi_teacher"` (the tiny family's student weak at addition and subtraction, one teacher per
+            skill, the prompts of both skills routed to their teacher) or `"long_addition"` (three-digit addition
+            worked out column by column: 45-49-token completions, so `max_completion_length` and
+            `eval_max_new_tokens` of at least 64). Its held-out splits are `eval_benchmark`'s: `tiny`,
+            `tiny,tiny-subtraction` and `tiny-long-addition`.
         embedded_teacher (`str`, *optional*):
             With `embedded_task: multi_teacher`, the one teacher of the family (`addition` or `subtraction`) that
             scores every prompt, the other skill's too, where it is wrong: the one-teacher baseline of
@@ -74,7 +79,7 @@ class MainJobArguments:
             routing of several teachers) is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
-            the embedded tasks' held-out splits, `tiny` and `tiny-subtraction`) or a JSONL file with `id`, `problem`
+            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction` and `tiny-long-addition`) or a JSONL file with `id`, `problem`
             and `answer` fields. Several, comma-separated, are evaluated each (per skill in the summary) and averaged.
         eval_data_dir (`str`, *optional*):
             Where the paper's benchmarks are read from: a folder with `<benchmark>.jsonl` files, or `hub` for their
@@ -217,13 +222,18 @@ def load_job(job_args, training_args):
     from .prompts import to_prompt_dataset
 
     served = training_args.teacher_model_server_url is not None
-    multi_teacher = job_args.embedded_task == "multi_teacher"
-    family = tiny.multi_teacher_paths() if multi_teacher else {"student": tiny.student_path(), "teachers": None}
+    task = job_args.embedded_task
+    if task == "multi_teacher":
+        family = tiny.multi_teacher_paths()
+    elif task == "long_addition":
+        family = {"student": tiny.long_addition_paths()["student"], "teachers": tiny.long_addition_paths()["teacher"]}
+    else:
+        family = {"student": tiny.student_path(), "teachers": tiny.teacher_path()}
     student_path = job_args.model_name_or_path or family["student"]
     if job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
-    embedded_teacher = None if served else family["teachers"] or tiny.teacher_path()
+    embedded_teacher = None if served else family["teachers"]
     teacher_path = training_args.teacher_model_name_or_path or embedded_teacher
     check_model_source(student_path, "`model_name_or_path`")
     if isinstance(teacher_path, dict):
@@ -234,7 +244,10 @@ def load_job(job_args, training_args):
     remote_code = training_args.trust_remote_code  # False unless the user sets it
     tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left", trust_remote_code=remote_code)
     if job_args.dataset_name is None:
-        train_dataset = tiny.multi_skill_prompt_dataset("opd") if multi_teacher else tiny.prompt_dataset("opd")
+        if task == "multi_teacher":
+            train_dataset = tiny.multi_skill_prompt_dataset("opd")
+        else:
+            train_dataset = tiny.prompt_dataset("opd", skill=task)
     else:
         train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
         train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
@@ -321,6 +334,31 @@ def check_job_arguments(job_args, training_args):
             "With your own model or dataset, set `eval_benchmark` (e.g. `math500`, or a JSONL "
             "file with id, problem and answer fields): the default, the embedded addition task, says nothing about "
             "your model. Or pass `--eval_problems 0`."
+        )
+    if job_args.embedded_task == "long_addition" and not custom:
+        check_long_addition_budget(job_args, training_args)
+
+
+def check_long_addition_budget(job_args, training_args):
+    """The long-completion task's traces need their whole generation budget, and its own held-out split: a shorter
+    budget cuts every trace before its answer, and the default benchmark grades another skill."""
+    from .tiny.task import max_new_tokens
+
+    budget = max_new_tokens("long_addition")
+    short = {"max_completion_length": training_args.max_completion_length}
+    if job_args.eval_problems > 0:
+        short["eval_max_new_tokens"] = job_args.eval_max_new_tokens
+    short = {key: value for key, value in short.items() if value is not None and value < budget}
+    if short:
+        keys = ", ".join(f"`{key}` {value}" for key, value in short.items())
+        raise ValueError(
+            "`embedded_task: long_addition` writes column traces of 45-49 tokens (with the EOS) before the answer: "
+            f"{keys} would cut them. Set them to {budget} (recipes/tiny/long_tvopd.yaml)."
+        )
+    if job_args.eval_problems > 0 and job_args.eval_benchmark == EMBEDDED_BENCHMARKS["addition"]:
+        raise ValueError(
+            "`embedded_task: long_addition` is graded on its own held-out split: set `eval_benchmark: "
+            f"{EMBEDDED_BENCHMARKS['long_addition']}` (the default, `tiny`, is two-digit addition's)."
         )
 
 

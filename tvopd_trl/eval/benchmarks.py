@@ -133,6 +133,7 @@ BENCHMARKS = BenchmarkRegistry(
         # The embedded tasks' held-out splits, defined beside the tasks.
         "tiny": "tvopd_trl.tiny:tiny_benchmark",
         "tiny-subtraction": "tvopd_trl.tiny.accuracy:tiny_subtraction_benchmark",
+        "tiny-long-addition": "tvopd_trl.tiny.accuracy:tiny_long_addition_benchmark",
     }
 )
 

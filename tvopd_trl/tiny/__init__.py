@@ -57,6 +57,7 @@ from .task import SKILLS, SPLITS, multi_skill_prompt_dataset, problems, prompt_d
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 MULTI_TEACHER_DIR = os.path.join(CHECKPOINTS_DIR, "multi_teacher")
+LONG_ADDITION_DIR = os.path.join(CHECKPOINTS_DIR, "long_addition")
 
 
 def teacher_path():
@@ -78,12 +79,19 @@ def multi_teacher_paths():
     }
 
 
+def long_addition_paths():
+    """Directories of the shipped long-completion pair: `{"student": path, "teacher": path}`."""
+    return {member: os.path.join(LONG_ADDITION_DIR, member) for member in ("student", "teacher")}
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
+    "LONG_ADDITION_DIR",
     "MULTI_TEACHER_DIR",
     "SKILLS",
     "SPLITS",
     "evaluate_accuracy",
+    "long_addition_paths",
     "multi_skill_prompt_dataset",
     "multi_teacher_paths",
     "problems",

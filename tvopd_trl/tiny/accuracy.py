@@ -14,12 +14,13 @@
 """The embedded tasks as benchmarks of the evaluation module, and a model's accuracy on a split of one."""
 
 from ..eval import Benchmark, Problem, SamplingSettings, TransformersGenerator, evaluate, mean_at_k
+from .task import max_new_tokens as skill_max_new_tokens
 from .task import problems, symbol
 
 
 def tiny_benchmark(split="test", skill="addition"):
     """The embedded tiny task's `split` of `skill` as a benchmark (addition's held-out `"test"` split is registered as
-    `"tiny"`; the others are named `tiny[-subtraction][-split]`)."""
+    `"tiny"`; the others are named `tiny[-<skill>][-split]`, e.g. `tiny-subtraction`, `tiny-long-addition-dev`)."""
 
     def load():
         return [
@@ -27,17 +28,18 @@ def tiny_benchmark(split="test", skill="addition"):
         ]
 
     # The tiny models were trained on the bare question, so its prompt carries no instruction.
-    name = "tiny" if skill == "addition" else f"tiny-{skill}"
+    name = "tiny" if skill == "addition" else f"tiny-{skill.replace('_', '-')}"
     if split != "test":
         name += f"-{split}"
     return Benchmark(name, name.capitalize(), prompt_template="{problem}", loader=load)
 
 
 def evaluate_accuracy(
-    model, tokenizer, split="test", k=4, greedy=False, seed=0, max_new_tokens=16, batch_size=512, skill="addition"
+    model, tokenizer, split="test", k=4, greedy=False, seed=0, max_new_tokens=None, batch_size=512, skill="addition"
 ):
     """mean@k on `skill`'s `split` at the paper's sampling settings (T=0.6, top-p 0.95, top-k 20), or greedy
-    accuracy."""
+    accuracy. `max_new_tokens` defaults to the skill's budget (`task.max_new_tokens`)."""
+    max_new_tokens = max_new_tokens or skill_max_new_tokens(skill)
     if greedy:
         settings = SamplingSettings(k=1, temperature=0, max_new_tokens=max_new_tokens)
     else:
@@ -50,3 +52,9 @@ def evaluate_accuracy(
 def tiny_subtraction_benchmark():
     """The subtraction skill's held-out split, registered as `"tiny-subtraction"` (the multi-teacher family's)."""
     return tiny_benchmark("test", "subtraction")
+
+
+def tiny_long_addition_benchmark():
+    """The long-completion skill's held-out split, registered as `"tiny-long-addition"`: three-digit addition worked
+    out column by column (`tvopd_trl.tiny.task`); generate with `max_new_tokens` 64."""
+    return tiny_benchmark("test", "long_addition")

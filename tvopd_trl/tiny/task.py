@@ -48,25 +48,53 @@ SKILLS = ("addition", "subtraction")
 MIX_SEED = 0
 
 
+def _boxed(value):
+    return f"\\boxed{{{value}}}"
+
+
+def _column_trace(a, b):
+    """Column addition from the units up, one ``digit+digit+carry=sum`` step per column, then the boxed sum."""
+    steps, carry = [], 0
+    for x, y in zip(str(a)[::-1], str(b)[::-1], strict=True):
+        total = int(x) + int(y) + carry
+        steps.append(f"{x}+{y}+{carry}={total}")
+        carry = total // 10
+    return f"{', '.join(steps)}. The answer is {_boxed(a + b)}"
+
+
 @dataclass(frozen=True)
 class _Skill:
     symbol: str
     compute: Callable[[int, int], int]
     allowed: Callable[[int, int], bool]  # which operand pairs are problems of the skill
-    split_sizes: dict
+    split_sizes: dict  # "sft", when present, caps the rest
     seed: int
+    operands: range = range(10, 100)
+    respond: Callable[[int, int], str] | None = None  # the reference response; `\boxed{answer}` by default
+    max_new_tokens: int = 16  # a generation budget that holds every reference response and its EOS
 
 
 _SKILLS = {
     "addition": _Skill("+", operator.add, lambda a, b: True, SPLIT_SIZES, SPLIT_SEED),
     # Half the problems of addition, so a smaller "opd" split leaves the teacher a comparable share (half) to learn from.
     "subtraction": _Skill("-", operator.sub, operator.gt, {"test": 500, "dev": 500, "opd": 1000}, SPLIT_SEED + 1),
+    # 810,000 problems: 50,000 are plenty to learn the columns from, and encoding them all would take minutes.
+    "long_addition": _Skill(
+        "+",
+        operator.add,
+        lambda a, b: True,
+        {"test": 500, "dev": 500, "opd": 2000, "sft": 50_000},
+        SPLIT_SEED + 2,
+        operands=range(100, 1000),
+        respond=_column_trace,
+        max_new_tokens=64,  # 45-49 tokens and the EOS
+    ),
 }
 
 
 def _skill(name):
     if name not in _SKILLS:
-        raise ValueError(f"Unknown skill {name!r}; choose one of {SKILLS}.")
+        raise ValueError(f"Unknown skill {name!r}; choose one of {', '.join(_SKILLS)}.")
     return _SKILLS[name]
 
 
@@ -74,13 +102,13 @@ def _split_pairs(split, skill="addition"):
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; choose one of {SPLITS}.")
     spec = _skill(skill)
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if spec.allowed(a, b)]
+    pairs = [(a, b) for a in spec.operands for b in spec.operands if spec.allowed(a, b)]
     random.Random(spec.seed).shuffle(pairs)
     bounds, start = {}, 0
     for name in ("test", "dev", "opd"):
         bounds[name] = (start, start + spec.split_sizes[name])
         start += spec.split_sizes[name]
-    bounds["sft"] = (start, len(pairs))
+    bounds["sft"] = (start, len(pairs) if "sft" not in spec.split_sizes else start + spec.split_sizes["sft"])
     first, last = bounds[split]
     return pairs[first:last]
 
@@ -90,13 +118,19 @@ def symbol(skill="addition"):
     return _skill(skill).symbol
 
 
+def max_new_tokens(skill="addition"):
+    """The generation budget of `skill`'s responses: 16 tokens, or 64 for the column traces of `"long_addition"`."""
+    return _skill(skill).max_new_tokens
+
+
 def question(a, b, skill="addition"):
     return f"Compute {a} {symbol(skill)} {b}."
 
 
 def response(a, b, skill="addition"):
     """The reference (teacher-training) response."""
-    return f"\\boxed{{{_skill(skill).compute(a, b)}}}"
+    spec = _skill(skill)
+    return _boxed(spec.compute(a, b)) if spec.respond is None else spec.respond(a, b)
 
 
 def problems(split, skill="addition"):
