@@ -13,7 +13,8 @@ from tvopd_trl.scripts.train import run
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "tiny"
 # The long-completion task's recipes (recipes/tiny/long_*.yaml), one per method of its study
-LONG_MODES = {"tvopd": "tv"}
+LONG_MODES = {"raw": "raw", "sign": "sign", "tvopd": "tv", "tvopd_alpha0.25": "tv", "tvopd_alpha1.0": "tv"}
+LONG_MODES |= {"vopd": "vopd", "power": "power", "shuffle": "shuffle", "sequence_constant": "sequence_constant"}
 PLOTS = ("accuracy.png", "tv.png", "update_norm.png", "advantage_dispersion.png")
 SHORT = [
     "--max_steps",

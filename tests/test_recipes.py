@@ -329,3 +329,14 @@ def test_main_job_trains_on_the_adapted_prompt_column(tmp_path, captured_dataset
 def test_main_job_names_the_columns_before_loading_a_model(tmp_path, captured_dataset):
     with pytest.raises(ValueError, match=r"no column 'problem'; its columns are: id, question, final_answer"):
         run_main_job(tmp_path, "--dataset_name", str(DEEPMATH), "--dataset_prompt_column", "problem")
+
+
+def test_long_completion_recipes_share_one_budget():
+    reference = load(RECIPES / "tiny" / "long_tvopd.yaml")
+    recipes = sorted((RECIPES / "tiny").glob("long_*.yaml"))
+    assert len(recipes) == 9
+    for path in recipes:
+        recipe = load(path)
+        differing = {key for key in reference.keys() | recipe.keys() if reference.get(key) != recipe.get(key)}
+        assert differing <= METHOD_KEYS, f"{rel(path)} also changes {sorted(differing - METHOD_KEYS)}"
+        assert recipe["output_dir"] == f"outputs/tiny/{path.stem}" and recipe["embedded_task"] == "long_addition"

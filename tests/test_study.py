@@ -143,3 +143,17 @@ def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
     assert sub["teacher_accuracy"] < 0.2 < own["tiny-subtraction"]["teacher_accuracy"]
     tables = (results / "tables.md").read_text()
     assert "Subtraction gap closed" in tables and "One teacher (addition)" in tables
+
+
+@pytest.mark.parametrize("name", ["study", "study_smoke", "study_multi_teacher", "study_long"])
+def test_every_shipped_study_file_loads(name):
+    study = load_study(f"recipes/tiny/{name}.yaml")
+    assert len(grid(study)) == len(study.methods) * len(study.seeds)
+
+
+def test_the_long_study_holds_the_late_stage_comparison():
+    study = load_study("recipes/tiny/study_long.yaml")
+    modes = {(method.get("advantage_mode"), method.get("tv_alpha")) for method in study.methods.values()}
+    assert {("raw", None), ("sign", None), ("vopd", None), ("power", None), ("shuffle", None)} <= modes
+    assert {("sequence_constant", None), ("tv", 0.25), ("tv", 0.5), ("tv", 1.0)} <= modes
+    assert study.seeds == [0, 1, 2] and study.recipe.endswith("long_tvopd.yaml")

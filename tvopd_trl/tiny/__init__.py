@@ -47,6 +47,13 @@ is unchanged).
 >>> student = AutoModelForCausalLM.from_pretrained(paths["student"])
 >>> evaluate_accuracy(student, tokenizer, "test", skill="subtraction")
 ```
+
+The long-completion pair (``checkpoints/long_addition``, ``long_addition_paths()``) has the same tokenizer and
+architecture with 128 positions, on a skill whose responses are reasoning-trace-like: three-digit addition worked out
+column by column (``"Compute 472 + 863."`` -> ``2+3+0=5, 7+6+0=13, 4+8+1=13. The answer is \\boxed{1335}``, 45-49
+tokens with the EOS, where a few digit tokens decide the answer among many routine ones). Held-out accuracy (k=4):
+teacher 1.00, student 0.20. ``embedded_task: long_addition`` trains on it (``recipes/tiny/long_*.yaml``; benchmark
+``tiny-long-addition``); ``python -m tvopd_trl.tiny.build --family long-addition`` rebuilds it (about 4.5 minutes).
 """
 
 import os

@@ -47,6 +47,13 @@ optimizer:
    constant to step 200, cosine decay to step 600): it masters its skill and forgets the other one.
 
 ``DIR/build.json`` holds every member's held-out accuracy on both skills.
+
+The long-completion pair (``--family long-addition``: ``DIR/student``, ``DIR/teacher``) is built like the default pair
+from the ``"long_addition"`` skill (three-digit addition worked out column by column, 45-49-token responses): the same
+tokenizer, architecture and optimizer, with 128 positions, 800 steps (constant to step 400). The columns are learned
+in a sharp transition too: with the default seed, dev accuracy 0.22 at step 270 (the student), 0.45 at step 280, and
+the teacher (step 800) is right on every held-out problem. Measured here: 264 s; teacher 1.000 (k=4) / 1.000 (greedy),
+student 0.203 / 0.232.
 """
 
 import argparse
