@@ -17,9 +17,9 @@ from tvopd_trl.scripts.doctor import make_parser
 RECIPE = "recipes/tiny/tvopd.yaml"
 
 
-def _diagnose(*flags, prompts=32):
+def _diagnose(*flags, prompts=32, recipe=RECIPE):
     _, job_args, training_args = make_parser().parse_args_and_config(
-        args=["--config", RECIPE, *flags], fail_with_unknown_args=False
+        args=["--config", recipe, *flags], fail_with_unknown_args=False
     )[:3]
     return {check.name: check for check in diagnose(job_args, training_args, num_prompts=prompts)}
 
@@ -163,3 +163,9 @@ def test_each_teacher_is_checked_on_its_own_prompts():
         for name in ("tokenizers", "self-delta", "teacher vs student"):
             assert checks[f"{name} ({teacher})"].status == PASS, checks[f"{name} ({teacher})"]
     assert not any(check.status == FAIL for check in checks.values())
+
+
+def test_the_long_completion_pair_passes_the_doctor():
+    checks = _diagnose(prompts=8, recipe="recipes/tiny/long_tvopd.yaml")
+    assert not any(check.status == FAIL for check in checks.values()), checks
+    assert checks["teacher vs student"].status == PASS
