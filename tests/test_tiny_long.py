@@ -22,19 +22,29 @@ from tvopd_trl.tiny import (
 from tvopd_trl.tiny.task import max_new_tokens
 
 
-RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny", "long_tvopd.yaml")
+RECIPE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "tiny", "long_tvopd.yaml"
+)
 STEP = re.compile(r"(\d)\+(\d)\+(\d)=(\d+)")
 
 
 @pytest.fixture(scope="module")
 def pair():
     paths = long_addition_paths()
-    return {name: (AutoModelForCausalLM.from_pretrained(p), AutoTokenizer.from_pretrained(p)) for name, p in paths.items()}
+    return {
+        name: (AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+        for name, path in paths.items()
+    }
 
 
 def test_splits_are_disjoint_sized_and_deterministic():
     splits = {split: problems(split, "long_addition") for split in SPLITS}
-    assert {split: len(rows) for split, rows in splits.items()} == {"test": 500, "dev": 500, "opd": 2000, "sft": 50_000}
+    assert {split: len(rows) for split, rows in splits.items()} == {
+        "test": 500,
+        "dev": 500,
+        "opd": 2000,
+        "sft": 50_000,
+    }
     pairs = [(row["a"], row["b"]) for rows in splits.values() for row in rows]
     assert len(set(pairs)) == len(pairs)
     assert all(100 <= a <= 999 and 100 <= b <= 999 for a, b in pairs)

@@ -34,7 +34,11 @@ from .packaged_recipes import find_recipe
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
 EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition")
 # The held-out splits that grade each embedded task (`eval_benchmark`)
-EMBEDDED_BENCHMARKS = {"addition": "tiny", "multi_teacher": "tiny,tiny-subtraction", "long_addition": "tiny-long-addition"}
+EMBEDDED_BENCHMARKS = {
+    "addition": "tiny",
+    "multi_teacher": "tiny,tiny-subtraction",
+    "long_addition": "tiny-long-addition",
+}
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
 CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
@@ -79,8 +83,9 @@ class MainJobArguments:
             routing of several teachers) is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
-            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction` and `tiny-long-addition`) or a JSONL file with `id`, `problem`
-            and `answer` fields. Several, comma-separated, are evaluated each (per skill in the summary) and averaged.
+            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction` and `tiny-long-addition`) or a JSONL file
+            with `id`, `problem` and `answer` fields. Several, comma-separated, are evaluated each (per skill in the
+            summary) and averaged.
         eval_data_dir (`str`, *optional*):
             Where the paper's benchmarks are read from: a folder with `<benchmark>.jsonl` files, or `hub` for their
             Hub datasets. Defaults to the copies that ship with the package (offline).

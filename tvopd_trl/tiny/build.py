@@ -426,8 +426,8 @@ def main():
     parser.add_argument(
         "--total-steps",
         type=int,
-        help="Training steps: the pair's (default 1500; long-addition 800), or the family's most for the student search "
-        "(default 3000).",
+        help="Training steps: the pair's (default 1500; long-addition 800), or the family's most for the student "
+        "search (default 3000).",
     )
     parser.add_argument(
         "--keep-checkpoints", action="store_true", help="Also save every checkpoint evaluated in the window."
