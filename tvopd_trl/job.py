@@ -231,7 +231,8 @@ def load_job(job_args, training_args):
     if task == "multi_teacher":
         family = tiny.multi_teacher_paths()
     elif task == "long_addition":
-        family = {"student": tiny.long_addition_paths()["student"], "teachers": tiny.long_addition_paths()["teacher"]}
+        paths = tiny.long_addition_paths()
+        family = {"student": paths["student"], "teachers": paths["teacher"]}
     else:
         family = {"student": tiny.student_path(), "teachers": tiny.teacher_path()}
     student_path = job_args.model_name_or_path or family["student"]

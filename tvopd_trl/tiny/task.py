@@ -11,26 +11,31 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""The embedded tasks: two-digit addition and subtraction, graded on the last ``\\boxed{}`` of the response.
+"""The embedded tasks: two-digit addition and subtraction, and three-digit addition worked out column by column, graded
+on the last ``\\boxed{}`` of the response.
 
-Two skills, each a fixed set of problems that a seeded permutation deals into four disjoint splits:
+Three skills, each a fixed set of problems that a seeded permutation deals into four disjoint splits:
 
 - ``"addition"`` (the default pair's task): ``"Compute a + b."`` with ``a, b`` in 10..99, 8,100 problems;
 - ``"subtraction"`` (the multi-teacher family's second skill): ``"Compute a - b."`` with ``a, b`` in 10..99 and
   ``a > b``, 4,005 problems. Answers stay non-negative (1..89), so the reference response has the same shape as
-  addition's and both skills share the default tokenizer unchanged.
+  addition's and both skills share the default tokenizer unchanged;
+- ``"long_addition"`` (the long-completion pair's task): ``"Compute a + b."`` with ``a, b`` in 100..999, 810,000
+  problems, whose reference response works the sum out column by column (``2+3+0=5, 7+6+0=13, 4+8+1=13. The answer is
+  \\boxed{1335}``, 45-49 tokens with the EOS; `max_new_tokens` gives each skill's generation budget).
 
 The splits of each skill:
 
 - ``"test"`` (500): the held-out evaluation split; no model is ever trained on it;
 - ``"dev"`` (500): used only to pick the student checkpoint (see `build`);
-- ``"opd"`` (addition 1,600, subtraction 1,000): prompts of the on-policy distillation demo; no supervised training
-  sees them;
-- ``"sft"`` (the rest: addition 5,500, subtraction 2,005): the supervised training data of the teachers (a student is
-  an earlier checkpoint of the same run).
+- ``"opd"`` (addition 1,600, subtraction 1,000, long_addition 2,000): prompts of the on-policy distillation demo; no
+  supervised training sees them;
+- ``"sft"`` (the rest: addition 5,500, subtraction 2,005; long_addition 50,000 of the rest): the supervised training
+  data of the teachers (a student is an earlier checkpoint of the same run).
 
-The reference response is ``\\boxed{answer}`` and nothing else: the answer digits are the only tokens that carry
-information, so teacher and student differ exactly there.
+The short skills' reference response is ``\\boxed{answer}`` and nothing else: the answer digits are the only tokens
+that carry information, so teacher and student differ exactly there. The column traces add many routine tokens
+around a few decisive ones, as reasoning traces do.
 """
 
 import operator
