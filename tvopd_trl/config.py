@@ -87,6 +87,13 @@ class TVOPDConfig(DistillationConfig):
             scheduler pools every row, as with one teacher. Defaults to `True` with several teachers; ignored with
             one. Not supported with `tv_scale_target="learning_rate"`, whose one learning rate cannot carry several
             scales.
+        tv_reference_min_tokens (`int`, *optional*, defaults to `1000`):
+            With a scale per teacher, the active tokens a teacher's reference D_ref pools at least: its (U, N) are
+            summed over rollout batches until N reaches this count, then D_ref = D_bar = U / N; until then its scale
+            is 1 and its `tv/<teacher>/ema` and `tv/<teacher>/reference` are not logged. A rarely routed teacher's
+            first rollout batch may hold one short completion, whose TV would otherwise set its scale for the whole
+            run. `0` fixes D_ref at the first rollout batch with any of its tokens. The pooled scale (one teacher, or
+            `tv_scale_per_teacher=False`) keeps the paper's rule, its first rollout batch (docs/method.md, section 4).
         log_update_norm (`bool`, *optional*, defaults to `True`):
             Whether to log `update/norm`, the norm of each optimizer step's realised parameter change. It needs a copy
             of the trainable parameters (of the local shard when sharded) from just before `optimizer.step()` to just
@@ -123,6 +130,11 @@ class TVOPDConfig(DistillationConfig):
             pi_vllm, correcting the mismatch between the vLLM sampler and the trainer's log-probabilities.
         vllm_importance_sampling_cap (`float`, *optional*, defaults to `3.0`):
             Truncation of that ratio (TRL GRPO's default).
+        vllm_server_weights_dir (`str`, *optional*):
+            With `vllm_mode="server"` on a trainer without CUDA (where TRL's NCCL weight sync cannot run): the folder
+            through which the student's weights reach the server after each optimizer step, which the server loads in
+            place (it runs with `VLLM_SERVER_DEV_MODE=1`; docs/vllm.md). It must be readable by the server: the
+            default, a temporary folder removed at exit, suits a server on the same machine. Unused with CUDA.
 
         > Parameters that control a served teacher
 
@@ -207,6 +219,10 @@ class TVOPDConfig(DistillationConfig):
         default=None,
         metadata={"help": "One TV scheduler and scale per teacher (default with several teachers), or one for all."},
     )
+    tv_reference_min_tokens: int = field(
+        default=1000,
+        metadata={"help": "With a scale per teacher, active tokens a teacher's TV reference pools at least (>= 0)."},
+    )
     log_update_norm: bool = field(
         default=True,
         metadata={"help": "Whether to log `update/norm` (costs a copy of the trainable parameters at each step)."},
@@ -237,6 +253,13 @@ class TVOPDConfig(DistillationConfig):
     )
     vllm_importance_sampling_cap: float = field(
         default=3.0, metadata={"help": "Truncation of the vLLM importance-sampling ratio."}
+    )
+    vllm_server_weights_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "With vllm_mode server and no CUDA: the folder, readable by the server, through which the "
+            "student's weights reach it after each step (default: a temporary one)."
+        },
     )
 
     # Several teachers: a mapping by name (docs/multi-teacher.md)
@@ -290,7 +313,9 @@ class TVOPDConfig(DistillationConfig):
             )
         mode = self.advantage_mode
         spec = ADVANTAGE_MODE_REGISTRY[mode]
-        validate_tv_hyperparameters(self.tv_alpha, self.tv_ema_decay, self.tv_min_scale, self.tv_eps)
+        validate_tv_hyperparameters(
+            self.tv_alpha, self.tv_ema_decay, self.tv_min_scale, self.tv_eps, self.tv_reference_min_tokens
+        )
         if self.beta != 1.0:
             raise ValueError(
                 f"beta={self.beta} selects DistillationTrainer's JSD, which TV-OPD does not compute: its loss is the "

@@ -32,12 +32,13 @@ from .packaged_recipes import find_recipe
 
 
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
-EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition")
+EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm")
 # The held-out splits that grade each embedded task (`eval_benchmark`)
 EMBEDDED_BENCHMARKS = {
     "addition": "tiny",
     "multi_teacher": "tiny,tiny-subtraction",
     "long_addition": "tiny-long-addition",
+    "addition_vllm": "tiny",
 }
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
@@ -52,19 +53,14 @@ class MainJobArguments:
     Parameters:
         > Parameters that control the models and the data
 
-        model_name_or_path (`str`, *optional*):
-            Student model id or path. Defaults to the embedded tiny student. The teacher is the config's
-            `teacher_model_name_or_path`, defaulting to the embedded tiny teacher, or the server at the config's
-            `teacher_model_server_url` (then `teacher_model_name_or_path`, if set, only names its tokenizer). Several
-            teachers are a mapping `{name: path}` there (a JSON object on the command line), each prompt routed by
-            the dataset's `teacher_id` column (docs/multi-teacher.md).
         embedded_task (`str`, *optional*, defaults to `"addition"`):
             The embedded default the job runs without a model, teacher or dataset of its own: `"addition"` (the tiny
             pair), `"multi_teacher"` (the tiny family's student weak at addition and subtraction, one teacher per
             skill, the prompts of both skills routed to their teacher) or `"long_addition"` (three-digit addition
             worked out column by column: 45-49-token completions, so `max_completion_length` and
-            `eval_max_new_tokens` of at least 64). Its held-out splits are `eval_benchmark`'s: `tiny`,
-            `tiny,tiny-subtraction` and `tiny-long-addition`.
+            `eval_max_new_tokens` of at least 64) or `"addition_vllm"` (the tiny pair's task on the vLLM-ready pair,
+            whose heads vLLM's CPU attention serves). Its held-out splits are `eval_benchmark`'s: `tiny`,
+            `tiny,tiny-subtraction`, `tiny-long-addition` and `tiny`.
         embedded_teacher (`str`, *optional*):
             With `embedded_task: multi_teacher`, the one teacher of the family (`addition` or `subtraction`) that
             scores every prompt, the other skill's too, where it is wrong: the one-teacher baseline of
@@ -112,7 +108,6 @@ class MainJobArguments:
             Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead.
     """
 
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Student id or path (default: embedded)."})
     embedded_task: str = field(
         default="addition",
         metadata={"help": "Embedded default without a model or dataset of its own.", "choices": EMBEDDED_TASKS},
@@ -230,8 +225,8 @@ def load_job(job_args, training_args):
     task = job_args.embedded_task
     if task == "multi_teacher":
         family = tiny.multi_teacher_paths()
-    elif task == "long_addition":
-        paths = tiny.long_addition_paths()
+    elif task in ("long_addition", "addition_vllm"):
+        paths = tiny.long_addition_paths() if task == "long_addition" else tiny.vllm_paths()
         family = {"student": paths["student"], "teachers": paths["teacher"]}
     else:
         family = {"student": tiny.student_path(), "teachers": tiny.teacher_path()}
@@ -253,7 +248,7 @@ def load_job(job_args, training_args):
         if task == "multi_teacher":
             train_dataset = tiny.multi_skill_prompt_dataset("opd")
         else:
-            train_dataset = tiny.prompt_dataset("opd", skill=task)
+            train_dataset = tiny.prompt_dataset("opd", skill="addition" if task == "addition_vllm" else task)
     else:
         train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
         train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)

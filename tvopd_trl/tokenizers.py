@@ -48,6 +48,11 @@ def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTraine
         )
 
 
+def padded_token_ids(model, tokenizer) -> range:
+    """The ids of `model`'s output layer that `tokenizer` does not define: its padded rows (empty when it has none)."""
+    return range(len(tokenizer), model.config.get_text_config().vocab_size)
+
+
 def restrict_sampling_to_tokenizer(trainer) -> None:
     """
     Keeps `trainer`'s student from sampling an id its tokenizer does not define.
@@ -55,8 +60,8 @@ def restrict_sampling_to_tokenizer(trainer) -> None:
     Models of one family often pad their output layer beyond the tokenizer (Qwen2.5-7B has 152,064 rows, Qwen2.5-1.5B
     151,936, one tokenizer of 151,665 tokens): teacher and student then share every real token, and sampled-token OPD
     is well defined, as long as no padded id is ever sampled, since the other model's head may lack it. Transformers
-    generation suppresses those ids; vLLM samples among the tokenizer's ids only (`allowed_token_ids`, not verified
-    here: vLLM cannot run on this project's machines).
+    generation suppresses those ids; vLLM gets a logit bias of -100 on each (a few hundred entries per request, where
+    `allowed_token_ids` would send and index the whole vocabulary with every request: docs/vllm.md).
     """
     head_rows = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config().vocab_size
     tokens = len(trainer._tokenizer)
@@ -66,4 +71,7 @@ def restrict_sampling_to_tokenizer(trainer) -> None:
     trainer.generation_kwargs["suppress_tokens"] = suppressed
     trainer.generation_config.suppress_tokens = suppressed
     if trainer.use_vllm:
-        trainer.vllm_generation.generation_kwargs["allowed_token_ids"] = list(range(tokens))
+        # A copy: TRL's generation holds the user's own `generation_kwargs` dict, which the config logs and saves
+        kwargs = dict(trainer.vllm_generation.generation_kwargs)
+        kwargs["logit_bias"] = {**(kwargs.get("logit_bias") or {}), **dict.fromkeys(range(tokens, head_rows), -100.0)}
+        trainer.vllm_generation.generation_kwargs = kwargs

@@ -12,6 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
+import contextlib
 import math
 import os
 import textwrap
@@ -94,9 +95,10 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             As in [`~trl.DistillationTrainer`]. `args` must be a [`TVOPDConfig`]. Vision-language processors are
             refused: the method is text-only.
         teacher_processing_class ([`~transformers.PreTrainedTokenizerBase`] or `dict`, *optional*):
-            The teacher's tokenizer, compared with the student's at construction (with several teachers, a mapping
-            by name). When `None`, it is loaded from the teacher's local directory if there is one; otherwise only
-            `vocab_size` can be compared (a warning says so).
+            The teacher's tokenizer, compared with the student's at construction. With several teachers, one
+            tokenizer is every teacher's (teachers of one family share theirs), and a mapping by name gives each its
+            own. When `None` (or a teacher the mapping leaves out), it is loaded from the teacher's local directory if
+            there is one; otherwise only `vocab_size` can be compared (a warning says so).
 
     Several teachers are a mapping `{name: model or path}` in `teacher_model` (and `{name: URL}` in
     `args.teacher_model_server_url`), each prompt routed by its `teacher_id` (docs/multi-teacher.md).
@@ -161,19 +163,26 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
 
         # `prepare_teacher` loads and places the teachers as the base trainer would its one, without its check that the
         # output layers have one size.
-        super().__init__(
-            model=model,
-            teacher_model=None,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            quantization_config=quantization_config,
-            peft_config=peft_config,
-            tools=tools,
-        )
+        if args.use_vllm and args.vllm_mode == "server":
+            from .vllm_weight_sync import folder_weight_sync
+
+            building = folder_weight_sync(args.vllm_server_weights_dir)
+        else:
+            building = contextlib.nullcontext()
+        with building:
+            super().__init__(
+                model=model,
+                teacher_model=None,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                quantization_config=quantization_config,
+                peft_config=peft_config,
+                tools=tools,
+            )
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         self.teachers = {}  # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
         for name, source in local_teachers.items():
@@ -208,6 +217,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
                 min_scale=args.tv_min_scale,
                 eps=args.tv_eps,
                 teacher_states=dict.fromkeys(self.teachers) if self.per_teacher_scale else None,
+                reference_min_tokens=args.tv_reference_min_tokens,
             )
         )
 
@@ -584,6 +594,8 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         if self._step % self._micro_steps_per_rollout == 0:
             self._finish_rollout()
         for index, scheduler in enumerate(self._tv_schedulers):
+            if self.per_teacher_scale and scheduler.reference is None:
+                continue  # a teacher still pooling tokens for its reference (`tv_reference_min_tokens`)
             metrics[self._scale_metric("tv/ema", index)].append(nan_if_none(scheduler.ema))
             metrics[self._scale_metric("tv/reference", index)].append(nan_if_none(scheduler.reference))
 

@@ -54,6 +54,11 @@ column by column (``"Compute 472 + 863."`` -> ``2+3+0=5, 7+6+0=13, 4+8+1=13. The
 tokens with the EOS, where a few digit tokens decide the answer among many routine ones). Held-out accuracy (k=4):
 teacher 1.00, student 0.20. ``embedded_task: long_addition`` trains on it (``recipes/tiny/long_*.yaml``; benchmark
 ``tiny-long-addition``); ``python -m tvopd_trl.tiny.build --family long-addition`` rebuilds it (about 4.5 minutes).
+
+The vLLM-ready pair (``checkpoints/vllm``, ``vllm_paths()``) is the default pair's task, tokenizer and recipe with 2
+attention heads of 32 instead of 4 of 16: vLLM's CPU attention has kernels for heads of 32 and more only. Held-out
+accuracy (k=4): teacher 1.00, student 0.31. ``embedded_task: addition_vllm`` trains on it (``recipes/tiny/vllm_*.yaml``);
+``python -m tvopd_trl.tiny.build --family vllm`` rebuilds it (about 3 minutes, bit-identical).
 """
 
 import os
@@ -65,6 +70,7 @@ from .task import SKILLS, SPLITS, multi_skill_prompt_dataset, problems, prompt_d
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
 MULTI_TEACHER_DIR = os.path.join(CHECKPOINTS_DIR, "multi_teacher")
 LONG_ADDITION_DIR = os.path.join(CHECKPOINTS_DIR, "long_addition")
+VLLM_DIR = os.path.join(CHECKPOINTS_DIR, "vllm")
 
 
 def teacher_path():
@@ -91,6 +97,12 @@ def long_addition_paths():
     return {member: os.path.join(LONG_ADDITION_DIR, member) for member in ("student", "teacher")}
 
 
+def vllm_paths():
+    """Directories of the shipped vLLM-ready pair (the default pair's task with 2 attention heads of 32, which vLLM's
+    CPU attention serves): `{"student": path, "teacher": path}`."""
+    return {member: os.path.join(VLLM_DIR, member) for member in ("student", "teacher")}
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
     "LONG_ADDITION_DIR",
@@ -106,4 +118,6 @@ __all__ = [
     "student_path",
     "teacher_path",
     "tiny_benchmark",
+    "VLLM_DIR",
+    "vllm_paths",
 ]

@@ -54,6 +54,10 @@ tokenizer, architecture and optimizer, with 128 positions, 800 steps (constant t
 in a sharp transition too: with the default seed, dev accuracy 0.22 at step 270 (the student), 0.45 at step 280, and
 the teacher (step 800) is right on every held-out problem. Measured here: 264 s; teacher 1.000 (k=4) / 1.000 (greedy),
 student 0.203 / 0.232.
+
+The vLLM-ready pair (``--family vllm``) is the default pair with 2 attention heads of 32 instead of 4 of 16 (vLLM's
+CPU attention serves heads of 32 and more only), same seed and schedule: dev accuracy passes 0.30 at step 490, so the
+student is step 480. Measured here: 156 s; teacher 1.000 (k=4) / 1.000 (greedy), student 0.308 / 0.366.
 """
 
 import argparse
@@ -125,6 +129,8 @@ LONG_ADDITION_DEFAULTS = dict(
     total_steps=800,
     transition_window=(100, 800),
 )
+# The default pair's task and recipe with 2 heads of 32: vLLM's CPU attention has no kernel for heads of 16.
+VLLM_DEFAULTS = dict(DEFAULTS, num_heads=2)
 
 
 def seed_everything(seed):
@@ -416,10 +422,11 @@ def main():
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
         "--family",
-        choices=("pair", "multi-teacher", "long-addition"),
+        choices=("pair", "multi-teacher", "long-addition", "vllm"),
         default="pair",
-        help="The default teacher/student pair, the multi-teacher family (a student and one teacher per skill), or the "
-        "long-completion pair (three-digit addition worked out column by column).",
+        help="The default teacher/student pair, the multi-teacher family (a student and one teacher per skill), the "
+        "long-completion pair (three-digit addition worked out column by column), or the vLLM-ready pair (the default "
+        "one with heads of 32).",
     )
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument("--student-max-dev-accuracy", type=float, default=DEFAULTS["student_max_dev_accuracy"])
@@ -438,6 +445,7 @@ def main():
         "pair": build,
         "multi-teacher": build_multi_teacher,
         "long-addition": functools.partial(build, defaults=LONG_ADDITION_DEFAULTS),
+        "vllm": functools.partial(build, defaults=VLLM_DEFAULTS),
     }
     builders[args.family](
         args.output_dir,

@@ -1,0 +1,121 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Server-mode rollouts from a trainer without CUDA: the student's weights reach the vLLM server through a folder the
+server reads, because TRL's weight sync to a server is vLLM's NCCL weight-transfer engine, which needs a CUDA device.
+
+On a CUDA trainer nothing here changes TRL's path."""
+
+import atexit
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+
+import trl.trainer.distillation_trainer as distillation_trainer
+from trl.generation.vllm_client import VLLMClient
+from trl.generation.vllm_generation import VLLMGeneration
+
+
+class FolderWeightSyncGeneration(VLLMGeneration):
+    """
+    TRL's `VLLMGeneration`, whose server mode on a trainer without CUDA pushes the student's weights through a folder.
+
+    After each optimizer step, [`~FolderWeightSyncGeneration.sync_weights`] writes the student's parameters (gathered
+    as TRL gathers them under ZeRO-3, FSDP and PEFT) as one safetensors file into `weights_dir`, asks the server to
+    load them in place (vLLM's `reload_weights`, through its development endpoint `POST /collective_rpc`), and resets
+    the server's prefix cache. The server must run with `VLLM_SERVER_DEV_MODE=1` and read `weights_dir`: the trainer's
+    own disk for a server on the same machine, a shared file system otherwise. Generation itself is TRL's.
+
+    Args:
+        weights_dir (`str`, *optional*):
+            The folder; by default a temporary one, removed at exit.
+        *args, **kwargs:
+            TRL's `VLLMGeneration` arguments.
+    """
+
+    def __init__(self, *args, weights_dir=None, **kwargs):
+        self.weights_dir = weights_dir
+        super().__init__(*args, **kwargs)
+
+    @property
+    def _syncs_through_folder(self):
+        return self.mode == "server" and self.accelerator.device.type != "cuda"
+
+    def _init_vllm(self):
+        if not self._syncs_through_folder:
+            return super()._init_vllm()
+        if self.accelerator.is_main_process:
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
+            routes = self.vllm_client.session.get(f"{base_url}/openapi.json", timeout=30).json()["paths"]
+            if "/collective_rpc" not in routes:
+                raise RuntimeError(
+                    f"The vLLM server at {base_url} does not serve `/collective_rpc`, through which a trainer without "
+                    "CUDA loads the student's weights into it: restart it with VLLM_SERVER_DEV_MODE=1 in its "
+                    "environment (docs/vllm.md)."
+                )
+            if self.weights_dir is None:
+                self.weights_dir = tempfile.mkdtemp(prefix="tvopd-vllm-weights-")
+                atexit.register(shutil.rmtree, self.weights_dir, ignore_errors=True)
+            os.makedirs(self.weights_dir, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+
+    def sync_weights(self):
+        if not self._syncs_through_folder:
+            return super().sync_weights()
+        from safetensors.torch import save_file
+
+        main = self.accelerator.is_main_process
+        # Every process walks the parameters: under ZeRO-3 and FSDP each gather is a collective
+        state = {name: param.detach().to("cpu", copy=True) for name, param in self._iter_named_params() if main}
+        if not main:
+            return
+        # vLLM's in-place reload leaves a tied LM head out unless the checkpoint names it, and then serves the old
+        # head with the new body
+        for alias, source in self._tied_names():
+            if source in state:
+                state[alias] = state[source].clone()
+        path = os.path.join(self.weights_dir, "model.safetensors")
+        save_file({name: tensor.contiguous() for name, tensor in state.items()}, f"{path}.partial")
+        os.replace(f"{path}.partial", path)  # the server never reads a half-written file
+        response = self.vllm_client.session.post(
+            f"{self.vllm_client.base_url}/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}},
+            timeout=self.server_timeout,
+        )
+        response.raise_for_status()
+        self.vllm_client.reset_prefix_cache()
+
+    def _tied_names(self):
+        """`(alias, name)` of each output-embedding name that shares its tensor with an earlier parameter's name."""
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        head = model.get_output_embeddings()
+        if head is None:
+            return []
+        names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is head.weight]
+        return [(alias, names[0]) for alias in names[1:]]
+
+
+@contextlib.contextmanager
+def folder_weight_sync(weights_dir=None):
+    """While TRL's `DistillationTrainer.__init__` runs inside it, the `VLLMGeneration` it builds is a
+    [`FolderWeightSyncGeneration`] writing into `weights_dir`: TRL builds its generation inline, with no hook."""
+    original = distillation_trainer.VLLMGeneration
+    distillation_trainer.VLLMGeneration = functools.partial(FolderWeightSyncGeneration, weights_dir=weights_dir)
+    try:
+        yield
+    finally:
+        distillation_trainer.VLLMGeneration = original
