@@ -1,5 +1,6 @@
 """Several teachers: routing by `teacher_id`, each row scored once by its own teacher, one TV scale per teacher."""
 
+import itertools
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from tvopd_trl import TVOPDTrainer
 from tvopd_trl.advantages import ADVANTAGE_MODES
 from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import prompt_dataset
+from tvopd_trl.tv import TVScheduler
 
 
 def routed(n, names=("wide", "self"), pattern=None):
@@ -118,8 +120,9 @@ def test_learning_rate_target_needs_one_pooled_scale(tmp_path):
 
 
 def test_each_teacher_has_its_own_scale_fed_by_its_own_rows(make_trainer, two_teachers, tmp_path):
-    # Rollouts of 4 in dataset order: steps 1 and 3 see only "self", steps 2 and 4 only "wide"
-    args = tiny_config(tmp_path, max_steps=4, shuffle_dataset=False, tv_ema_decay=0.5)
+    # Rollouts of 4 in dataset order: steps 1 and 3 see only "self", steps 2 and 4 only "wide". Each reference is its
+    # first rollout's (the paper's rule; `test_a_rarely_routed_teachers_reference_pools_several_rollouts` has the default)
+    args = tiny_config(tmp_path, max_steps=4, shuffle_dataset=False, tv_ema_decay=0.5, tv_reference_min_tokens=0)
     trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(8, pattern=[1] * 4 + [0] * 4))
     trainer.train()
     logs = step_logs(trainer)
@@ -167,7 +170,8 @@ def test_a_rows_advantage_uses_its_teachers_scale(make_trainer, two_teachers, tm
 
 
 def test_every_logged_per_teacher_metric_is_documented(make_trainer, two_teachers, tmp_path):
-    trainer = make_trainer(tiny_config(tmp_path, max_steps=1), teacher_model=two_teachers, train_dataset=routed(8))
+    args = tiny_config(tmp_path, max_steps=1, tv_reference_min_tokens=0)
+    trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(8))
     trainer.train()
     table = (Path(__file__).parent.parent / "docs" / "method.md").read_text().split("## 5. Metrics")[1]
     per_teacher = {key for key in step_logs(trainer)[0] if "/wide/" in key or "/self/" in key}
@@ -188,7 +192,10 @@ def test_pooled_scale_over_several_teachers(make_trainer, two_teachers, tmp_path
 
 def test_resume_restores_every_teachers_scheduler(make_trainer, two_teachers, tmp_path):
     def run(resume=None):
-        args = tiny_config(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, tv_ema_decay=0.5)
+        # Each teacher has at most 2 x 8 tokens a rollout: the checkpoint at step 2 is taken while both pool theirs
+        args = tiny_config(
+            tmp_path, max_steps=4, save_strategy="steps", save_steps=2, tv_ema_decay=0.5, tv_reference_min_tokens=33
+        )
         trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(16))
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -196,11 +203,44 @@ def test_resume_restores_every_teachers_scheduler(make_trainer, two_teachers, tm
     full = run()
     resumed = run(str(tmp_path / "checkpoint-2"))
     for a, b in zip(full._tv_schedulers, resumed._tv_schedulers, strict=True):
-        assert a.state_dict() == b.state_dict() and a.num_updates == 4
+        assert a.state_dict() == b.state_dict() and a.num_updates == 4 and a.reference is not None
     full_logs = {entry["step"]: entry for entry in step_logs(full)}
+    assert not any(f"tv/{name}/reference" in full_logs[2] for name in ("wide", "self"))
     for entry in step_logs(resumed):
-        for key in ("tv/wide/scale", "tv/self/scale", "tv/wide/estimate", "tv/self/ema"):
-            assert entry[key] == pytest.approx(full_logs[entry["step"]][key], nan_ok=True), (entry["step"], key)
+        want = full_logs[entry["step"]]
+        for key in ("tv/wide/scale", "tv/self/scale", "tv/wide/estimate", "tv/self/ema", "tv/wide/reference"):
+            assert (key in entry) == (key in want), (entry["step"], key)
+            assert entry.get(key) == pytest.approx(want.get(key), nan_ok=True), (entry["step"], key)
+
+
+def test_a_rarely_routed_teachers_reference_pools_several_rollouts(make_trainer, two_teachers, tmp_path, monkeypatch):
+    # One "self" row in each rollout of 4: at most 8 of its tokens a rollout, against up to 24 of "wide"'s
+    args = tiny_config(tmp_path, max_steps=8, shuffle_dataset=False, tv_reference_min_tokens=20)
+    trainer = make_trainer(args, teacher_model=two_teachers, train_dataset=routed(32, pattern=[1, 0, 0, 0] * 8))
+    totals = {"wide": [], "self": []}
+    update = TVScheduler.update
+
+    def recording(scheduler, u, n, grad_norm=None):
+        name = list(trainer.teachers)[trainer._tv_schedulers.index(scheduler)]
+        totals[name].append((float(u), float(n)))
+        return update(scheduler, u, n, grad_norm=grad_norm)
+
+    monkeypatch.setattr(TVScheduler, "update", recording)
+    trainer.train()
+    logs = step_logs(trainer)
+    fixed_at = {}
+    for name, rollouts in totals.items():
+        tokens = itertools.accumulate(n for _, n in rollouts)
+        fixed = fixed_at[name] = next(k for k, count in enumerate(tokens) if count >= 20)
+        reference = sum(u for u, _ in rollouts[: fixed + 1]) / sum(n for _, n in rollouts[: fixed + 1])
+        assert trainer._tv_schedulers[list(totals).index(name)].reference == reference  # their token mean
+        for k, entry in enumerate(logs):
+            assert (f"tv/{name}/reference" in entry) == (k >= fixed), (name, k)
+            assert (f"tv/{name}/ema" in entry) == (k >= fixed), (name, k)
+            if k <= fixed + 1:  # 1 until the rollout after the one that fixes the reference has read it
+                assert entry[f"tv/{name}/scale"] == 1.0, (name, k)
+        assert logs[fixed][f"tv/{name}/reference"] == pytest.approx(reference)
+    assert fixed_at["self"] >= 2 > fixed_at["wide"]  # "self" needed at least 3 rollouts
 
 
 @pytest.mark.parametrize("mode", ADVANTAGE_MODES)

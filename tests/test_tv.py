@@ -270,7 +270,13 @@ def expected_scale(ema, reference, alpha=0.5, min_scale=0.1, eps=1e-5):
 def test_scale_is_one_before_any_valid_update():
     scheduler = TVScheduler()
     assert scheduler.scale == 1.0
-    assert scheduler.state_dict() == {"ema": None, "reference": None, "num_updates": 0}
+    assert scheduler.state_dict() == {
+        "ema": None,
+        "reference": None,
+        "reference_sum": 0.0,
+        "reference_tokens": 0.0,
+        "num_updates": 0,
+    }
 
 
 @pytest.mark.parametrize(
@@ -414,9 +420,68 @@ def test_state_dict_json_round_trip_is_bit_exact(num_steps):
     assert restored.state_dict() == state
 
 
+def test_reference_pools_rollouts_until_the_minimum_token_count():
+    decay, eps = 0.9, 1e-5
+    scheduler = TVScheduler(alpha=0.5, ema_decay=decay, min_scale=0.1, eps=eps, reference_min_tokens=25)
+    # (U, N, grad_norm) per rollout: 10 tokens, an empty one, a skipped step, 10 more, then 5 reach the minimum
+    rollouts = [(1.0, 10, 1.0), (0.0, 0, 1.0), (9.0, 10, math.nan), (torch.tensor(2.0), torch.tensor(10), 1.0)]
+    for u, n, grad_norm in rollouts:
+        scheduler.update(u, n, grad_norm=grad_norm)
+        assert scheduler.scale == 1.0 and scheduler.reference is None and scheduler.ema is None
+    assert (scheduler.reference_sum, scheduler.reference_tokens, scheduler.num_updates) == (3.0, 20.0, 2)
+
+    scheduler.update(0.5, 5)  # 25 tokens: D_ref = D_bar = (1 + 2 + 0.5) / (10 + 10 + 5), their token mean
+    assert scheduler.reference == scheduler.ema == 3.5 / 25 and scheduler.scale == 1.0
+    scheduler.update(0.7, 10)
+    ema = decay * (3.5 / 25) + (1 - decay) * 0.07
+    assert scheduler.ema == pytest.approx(ema, rel=1e-12, abs=0) and scheduler.reference == 3.5 / 25
+    assert scheduler.scale == pytest.approx(math.sqrt((ema + eps) / (3.5 / 25 + eps)), rel=1e-12, abs=0)
+    # The sums stay as the record of what the reference pooled
+    assert scheduler.state_dict() == {
+        "ema": scheduler.ema,
+        "reference": 3.5 / 25,
+        "reference_sum": 3.5,
+        "reference_tokens": 25.0,
+        "num_updates": 4,
+    }
+
+
+@pytest.mark.parametrize("minimum", [0, 1, 10])
+def test_a_minimum_the_first_rollout_reaches_is_the_papers_rule(minimum):
+    papers, pooled = TVScheduler(), TVScheduler(reference_min_tokens=minimum)
+    for u, n in [(0.1234567891234, 10), (2.0 / 3.0, 7), (math.pi / 10, 11)]:
+        papers.update(u, n)
+        pooled.update(u, n)
+        assert (pooled.reference, pooled.ema, pooled.scale) == (papers.reference, papers.ema, papers.scale)
+    assert papers.reference == 0.1234567891234 / 10
+
+
+def test_a_state_saved_while_pooling_the_reference_resumes_exactly():
+    kwargs = dict(alpha=0.5, ema_decay=0.8, min_scale=0.1, eps=1e-5, reference_min_tokens=30)
+    original = TVScheduler(**kwargs)
+    for u, n in [(0.1234567891234, 10), (2.0 / 3.0, 7)]:
+        original.update(u, n)
+    restored = TVScheduler(**kwargs)
+    restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    for u, n in [(math.pi / 10, 11), (0.3, 9), (0.1, 12)]:
+        for scheduler in (original, restored):
+            scheduler.update(u, n)
+        assert restored.state_dict() == original.state_dict() and restored.scale == original.scale
+    assert original.reference == (0.1234567891234 + 2.0 / 3.0 + math.pi / 10 + 0.3) / 37
+
+
+def test_a_state_from_before_the_minimum_token_count_loads():
+    restored = TVScheduler(reference_min_tokens=1000)
+    restored.load_state_dict({"ema": 0.2, "reference": 0.3, "num_updates": 5})
+    assert restored.scale == pytest.approx(math.sqrt((0.2 + 1e-5) / (0.3 + 1e-5)))
+    restored.update(0.1, 1)
+    assert restored.reference == 0.3 and restored.ema == pytest.approx(0.95 * 0.2 + 0.05 * 0.1)
+
+
 @pytest.mark.parametrize(
     "kwargs,name",
     [
+        ({"reference_min_tokens": -1}, "tv_reference_min_tokens"),
         ({"alpha": -0.1}, "alpha"),
         ({"alpha": math.nan}, "alpha"),
         ({"ema_decay": 1.0}, "ema_decay"),

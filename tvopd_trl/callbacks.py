@@ -37,6 +37,9 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
     Args:
         alpha, ema_decay, min_scale, eps:
             The schedulers' hyperparameters (see [`TVScheduler`]).
+        reference_min_tokens (`int`, *optional*, defaults to `0`):
+            The teachers' schedulers' `reference_min_tokens` (`tv_reference_min_tokens`). The pooled scheduler keeps
+            the paper's rule: every rollout batch feeds it all its rows, the first one included.
         scheduler_state (`dict`, *optional*):
             The pooled scheduler's state, to restore.
         teacher_states (`dict[str, dict | None]`, *optional*):
@@ -52,14 +55,17 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
         eps: float = 1e-5,
         scheduler_state: dict | None = None,
         teacher_states: dict | None = None,
+        reference_min_tokens: int = 0,
     ):
         hyperparameters = dict(alpha=alpha, ema_decay=ema_decay, min_scale=min_scale, eps=eps)
         self.scheduler = TVScheduler(**hyperparameters)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
+        # A checkpoint of an earlier version has no `reference_min_tokens`: 0 resumes it as it ran
+        self.reference_min_tokens = reference_min_tokens
         self.teacher_schedulers = {}
         for name, state in (teacher_states or {}).items():
-            self.teacher_schedulers[name] = TVScheduler(**hyperparameters)
+            self.teacher_schedulers[name] = TVScheduler(**hyperparameters, reference_min_tokens=reference_min_tokens)
             if state is not None:
                 self.teacher_schedulers[name].load_state_dict(state)
 
@@ -67,11 +73,14 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
         # A resumed run keeps the checkpoint's scheduler, hyperparameters included: say so if the config disagrees.
         scheduler = self.scheduler
         stored = (scheduler.alpha, scheduler.ema_decay, scheduler.min_scale, scheduler.eps)
-        configured = tuple(getattr(args, name, value) for name, value in zip(_CONFIG_NAMES, stored, strict=True))
+        stored = dict(zip(_CONFIG_NAMES, stored, strict=True))
+        if self.teacher_schedulers:
+            stored["tv_reference_min_tokens"] = self.reference_min_tokens
+        configured = {name: getattr(args, name, value) for name, value in stored.items()}
         if configured != stored:
             warnings.warn(
-                f"The TV scheduler restored from the checkpoint has (tv_alpha, tv_ema_decay, tv_min_scale, tv_eps) = "
-                f"{stored}, but the config says {configured}. The run continues with the checkpoint's values.",
+                f"The TV scheduler restored from the checkpoint has ({', '.join(stored)}) = {tuple(stored.values())}, "
+                f"but the config says {tuple(configured.values())}. The run continues with the checkpoint's values.",
                 stacklevel=2,
             )
 
@@ -86,6 +95,7 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
         }
         if self.teacher_schedulers:
             args["teacher_states"] = {name: s.state_dict() for name, s in self.teacher_schedulers.items()}
+            args["reference_min_tokens"] = self.reference_min_tokens
         return {"args": args, "attributes": {}}
 
 

@@ -50,9 +50,11 @@ class TVScheduler:
     """
     TV-EMA scheduler of TV-OPD: c = clip(((D_bar + eps) / (D_ref + eps)) ** alpha, min_scale, 1).
 
-    `scale` is 1 until the first valid update. Each valid `update` folds the step's pooled estimate D_hat = u / n into
-    the EMA D_bar (the first one also fixes the reference D_ref); an empty step (n == 0), a non-finite estimate or a
-    non-finite gradient norm leaves the state unchanged.
+    `scale` is 1 until the reference D_ref is fixed. Each valid `update` folds the step's pooled estimate D_hat = u / n
+    into the EMA D_bar; an empty step (n == 0), a non-finite estimate or a non-finite gradient norm leaves the state
+    unchanged. The first valid update fixes D_ref = D_bar = D_hat (the paper's rule), unless `reference_min_tokens`
+    asks for more tokens: the valid updates' (u, n) are then summed until n reaches it, and D_ref = D_bar = sum u /
+    sum n.
 
     Args:
         alpha (`float`, *optional*, defaults to `0.5`):
@@ -63,16 +65,29 @@ class TVScheduler:
             Floor of c, in (0, 1].
         eps (`float`, *optional*, defaults to `1e-5`):
             Ratio guard, > 0.
+        reference_min_tokens (`int`, *optional*, defaults to `0`):
+            Active tokens the reference pools at least, >= 0. `0` fixes it at the first valid update.
     """
 
-    def __init__(self, alpha: float = 0.5, ema_decay: float = 0.95, min_scale: float = 0.1, eps: float = 1e-5):
-        validate_tv_hyperparameters(alpha, ema_decay, min_scale, eps)
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        ema_decay: float = 0.95,
+        min_scale: float = 0.1,
+        eps: float = 1e-5,
+        reference_min_tokens: int = 0,
+    ):
+        validate_tv_hyperparameters(alpha, ema_decay, min_scale, eps, reference_min_tokens)
         self.alpha = alpha
         self.ema_decay = ema_decay
         self.min_scale = min_scale
         self.eps = eps
+        self.reference_min_tokens = reference_min_tokens
         self.ema: float | None = None
         self.reference: float | None = None
+        # The (sum of X, token count) the reference pools: growing until it is fixed, then what fixed it
+        self.reference_sum = 0.0
+        self.reference_tokens = 0.0
         self.num_updates = 0
 
     @property
@@ -91,22 +106,37 @@ class TVScheduler:
         if not math.isfinite(estimate):
             return False
         if self.reference is None:
-            self.reference = self.ema = estimate
+            self.reference_sum += u
+            self.reference_tokens += n
+            if self.reference_tokens >= self.reference_min_tokens:
+                self.reference = self.ema = self.reference_sum / self.reference_tokens
         else:
             self.ema = self.ema_decay * self.ema + (1.0 - self.ema_decay) * estimate
         self.num_updates += 1
         return True
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "reference": self.reference, "num_updates": self.num_updates}
+        return {
+            "ema": self.ema,
+            "reference": self.reference,
+            "reference_sum": self.reference_sum,
+            "reference_tokens": self.reference_tokens,
+            "num_updates": self.num_updates,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.ema = state["ema"]
         self.reference = state["reference"]
+        # Checkpoints of versions before `reference_min_tokens` lack the pooled sums: they only matter before the
+        # reference is fixed, and those versions fixed it at the first valid update.
+        self.reference_sum = state.get("reference_sum", 0.0)
+        self.reference_tokens = state.get("reference_tokens", 0.0)
         self.num_updates = state["num_updates"]
 
 
-def validate_tv_hyperparameters(alpha: float, ema_decay: float, min_scale: float, eps: float) -> None:
+def validate_tv_hyperparameters(
+    alpha: float, ema_decay: float, min_scale: float, eps: float, reference_min_tokens: int = 0
+) -> None:
     if not alpha >= 0:
         raise ValueError(f"tv_alpha must be >= 0, got {alpha}. Use 0 to keep c_k = 1 (Sign-TV).")
     if not 0 <= ema_decay < 1:
@@ -115,3 +145,8 @@ def validate_tv_hyperparameters(alpha: float, ema_decay: float, min_scale: float
         raise ValueError(f"tv_min_scale must be in (0, 1], got {min_scale}. The paper uses 0.1.")
     if not eps > 0:
         raise ValueError(f"tv_eps must be > 0, got {eps}. The paper uses 1e-5.")
+    if not reference_min_tokens >= 0:
+        raise ValueError(
+            f"tv_reference_min_tokens must be >= 0, got {reference_min_tokens}. 0 fixes the reference at the first "
+            "valid update, as the paper does."
+        )
