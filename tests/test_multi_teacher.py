@@ -1,5 +1,6 @@
 """Several teachers: routing by `teacher_id`, each row scored once by its own teacher, one TV scale per teacher."""
 
+import copy
 import itertools
 import math
 from pathlib import Path
@@ -105,12 +106,31 @@ def test_a_name_both_local_and_served_is_refused(tmp_path):
 
 def test_teacher_tokenizers_are_given_by_name(make_trainer, two_teachers, tokenizer, tmp_path):
     kwargs = dict(teacher_model=two_teachers, train_dataset=routed(8))
-    with pytest.raises(ValueError, match="a mapping"):
-        make_trainer(tiny_config(tmp_path), teacher_processing_class=tokenizer, **kwargs)
     with pytest.raises(ValueError, match=r"unknown teachers \['other'\]"):
         make_trainer(tiny_config(tmp_path), teacher_processing_class={"other": tokenizer}, **kwargs)
     trainer = make_trainer(tiny_config(tmp_path), teacher_processing_class={"wide": tokenizer}, **kwargs)
     assert list(trainer.teachers) == ["wide", "self"]
+
+
+def test_one_tokenizer_is_every_teachers(make_trainer, two_teachers, tokenizer, tmp_path, monkeypatch):
+    import tvopd_trl.checks
+
+    compared = []
+    check = tvopd_trl.checks.check_shared_vocabulary
+
+    def recording(student, teacher):
+        compared.append(teacher)
+        check(student, teacher)
+
+    monkeypatch.setattr(tvopd_trl.checks, "check_shared_vocabulary", recording)
+    kwargs = dict(teacher_model=two_teachers, train_dataset=routed(8))
+    trainer = make_trainer(tiny_config(tmp_path), teacher_processing_class=tokenizer, **kwargs)
+    assert list(trainer.teachers) == ["wide", "self"]
+    assert len(compared) == 2 and all(teacher is tokenizer for teacher in compared)  # not loaded from their folders
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"vocabularies differ.*1 only in the teacher \['<extra>'\]"):
+        make_trainer(tiny_config(tmp_path), teacher_processing_class=other, **kwargs)
 
 
 def test_learning_rate_target_needs_one_pooled_scale(tmp_path):

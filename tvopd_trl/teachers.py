@@ -83,15 +83,13 @@ def teacher_sources(teacher_model, server_url) -> tuple[dict[str, Any], dict[str
 
 
 def teacher_processing_classes(teacher_processing_class, names) -> dict[str, Any]:
-    """`{name: tokenizer or None}` from the trainer's `teacher_processing_class`: one tokenizer for a single teacher, or a
-    mapping by teacher name."""
+    """`{name: tokenizer or None}` from the trainer's `teacher_processing_class`: one tokenizer for every teacher
+    (teachers of one family share theirs), or a mapping by teacher name."""
     if isinstance(teacher_processing_class, Mapping):
         unknown = sorted(set(teacher_processing_class) - set(names))
         if unknown:
             raise ValueError(f"`teacher_processing_class` names unknown teachers {unknown}; the teachers are {names}.")
         return {name: teacher_processing_class.get(name) for name in names}
-    if teacher_processing_class is not None and len(names) > 1:
-        raise ValueError("With several teachers, `teacher_processing_class` is a mapping {name: tokenizer}.")
     return dict.fromkeys(names, teacher_processing_class)
 
 
