@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tvopd_trl.cli import main as cli_main
@@ -472,3 +473,37 @@ def test_the_jobs_accuracy_averages_its_own_benchmarks_only(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
     assert set(saved) == {"tiny", "tiny-subtraction"} and saved["tiny-subtraction"]["mean@2"] == 1.0
     assert list(scores) == ["tiny"] and scores["tiny"] == saved["tiny"]["mean@2"]
+
+
+def test_transformers_generator_never_samples_a_padded_id(tokenizer, model_dirs):
+    # An output layer padded beyond the tokenizer (as Qwen's), whose padded rows carry a bias that makes them far
+    # likelier than any real token
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["student"])
+    model.resize_token_embeddings(len(tokenizer) + 20)
+    weight = model.get_output_embeddings().weight
+    head = torch.nn.Linear(weight.size(1), weight.size(0), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.zero_()
+        head.bias[len(tokenizer) :] = 20.0
+    model.lm_head = head
+    prompts = [[{"role": "user", "content": f"Compute {a} + {a + 3}."}] for a in range(10, 18)]
+    tokenizer.padding_side = "left"
+    inputs = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        first = model(**inputs).logits[:, -1].softmax(-1)
+    assert first[:, len(tokenizer) :].sum(-1).min() > 0.99  # unsuppressed, nearly every draw would be padded
+
+    sampled = []
+    generate = model.generate
+
+    def record(**kwargs):
+        output = generate(**kwargs)
+        sampled.append(output[:, kwargs["input_ids"].size(1) :])
+        return output
+
+    model.generate = record
+    settings = SamplingSettings(k=4, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0)
+    TransformersGenerator(model, tokenizer, batch_size=16)(prompts, settings)
+    ids = torch.cat(sampled)
+    assert ids.numel() == 32 * 6 and int(ids.max()) < len(tokenizer)

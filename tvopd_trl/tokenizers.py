@@ -63,15 +63,14 @@ def restrict_sampling_to_tokenizer(trainer) -> None:
     generation suppresses those ids; vLLM gets a logit bias of -100 on each (a few hundred entries per request, where
     `allowed_token_ids` would send and index the whole vocabulary with every request: docs/vllm.md).
     """
-    head_rows = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config().vocab_size
-    tokens = len(trainer._tokenizer)
-    if head_rows <= tokens:
+    padded = padded_token_ids(trainer.accelerator.unwrap_model(trainer.model), trainer._tokenizer)
+    if not padded:
         return
-    suppressed = sorted(set(trainer.generation_kwargs.get("suppress_tokens") or []) | set(range(tokens, head_rows)))
+    suppressed = sorted(set(trainer.generation_kwargs.get("suppress_tokens") or []) | set(padded))
     trainer.generation_kwargs["suppress_tokens"] = suppressed
     trainer.generation_config.suppress_tokens = suppressed
     if trainer.use_vllm:
         # A copy: TRL's generation holds the user's own `generation_kwargs` dict, which the config logs and saves
         kwargs = dict(trainer.vllm_generation.generation_kwargs)
-        kwargs["logit_bias"] = {**(kwargs.get("logit_bias") or {}), **dict.fromkeys(range(tokens, head_rows), -100.0)}
+        kwargs["logit_bias"] = {**(kwargs.get("logit_bias") or {}), **dict.fromkeys(padded, -100.0)}
         trainer.vllm_generation.generation_kwargs = kwargs

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..tokenizers import padded_token_ids
+
 
 # The TV-OPD paper's evaluation sampling: the defaults of every evaluation here (`tvopd-trl eval`, the main job's).
 PAPER_TEMPERATURE = 0.6
@@ -84,6 +86,11 @@ class TransformersGenerator:
         device = next(model.parameters()).device
         # The model's own end-of-turn tokens when it declares them (Qwen3 lists two); the tokenizer's EOS otherwise.
         eos_token_id = model.generation_config.eos_token_id or tokenizer.eos_token_id
+        # An output layer padded beyond the tokenizer: never sample an id the tokenizer does not define, as training's
+        # rollouts do not (`restrict_sampling_to_tokenizer`)
+        padded = padded_token_ids(model, tokenizer)
+        if padded:
+            sampling["suppress_tokens"] = sorted(set(model.generation_config.suppress_tokens or []) | set(padded))
         samples = 1 if greedy else settings.k
         rows = [(i, j) for i in range(len(texts)) for j in range(samples)]
         batches = [rows[start : start + self.batch_size] for start in range(0, len(rows), self.batch_size)]
