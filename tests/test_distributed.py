@@ -15,9 +15,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tvopd_trl import TVOPDTrainer, tiny
@@ -392,21 +394,27 @@ def test_train_accelerate_config_flag_overrides_the_recipes(monkeypatch, tmp_pat
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Two teachers over 2 processes whose rows go to different teachers (DDP and ZeRO-3)
+# Two teachers over 2 processes whose rows go to different teachers (DDP, ZeRO-2 and ZeRO-3)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["ddp", "zero3"])
+@pytest.fixture(scope="module", params=["ddp", "zero2", "zero3"])
 def multi_teacher_run(request, tmp_path_factory):
-    config = {"ddp": "ddp_cpu.yaml", "zero3": "zero3_cpu.yaml"}[request.param]
-    return launch(config, "multi_teacher.py", tmp_path_factory.mktemp(f"multi_teacher_{request.param}"), request.param)
+    config = {"ddp": "ddp_cpu.yaml", "zero2": "zero3_cpu.yaml", "zero3": "zero3_cpu.yaml"}[request.param]
+    output_dir = tmp_path_factory.mktemp(f"multi_teacher_{request.param}")
+    return request.param, launch(config, "multi_teacher.py", output_dir, request.param)
 
 
 def test_two_teachers_train_when_the_ranks_route_their_rows_differently(multi_teacher_run):
-    first, second = multi_teacher_run
-    # The setup: at step 1 one rank holds only "teacher" rows and the other only "self" rows; under ZeRO-3 each still
-    # ran both teachers' forwards (the run would hang otherwise)
+    launched, (first, second) = multi_teacher_run
+    # The setup: at step 1 one rank holds only "teacher" rows and the other only "self" rows. Under ZeRO-3 each still
+    # ran both teachers' forwards on 4 rows (the run would hang otherwise); elsewhere each scored its own rows only.
     assert sorted([first["rows"][0], second["rows"][0]]) == [[0, 4], [4, 0]]
+    scored = [first["scored"][0], second["scored"][0]]
+    if launched == "zero3":
+        assert scored == [{"teacher": 4, "self": 4}] * 2
+    else:
+        assert sorted(scored, key=list) == [{"self": 4}, {"teacher": 4}]
     assert [entry["step"] for entry in first["logs"]] == [1, 2, 3, 4]
     for a, b in zip(first["logs"], second["logs"], strict=True):
         assert math.isfinite(a["loss"]) and a["update/norm"] > 0, a
@@ -419,3 +427,62 @@ def test_two_teachers_train_when_the_ranks_route_their_rows_differently(multi_te
     teacher, own = first["schedulers"]
     assert teacher["num_updates"] == 4 and own["num_updates"] == 2
     assert [entry["tv/self/estimate"] is None for entry in first["logs"]] == [False, True, False, True]
+
+
+@pytest.mark.parametrize(("sharding", "padded"), [(None, False), (1, False), (2, False), (3, True), ("fsdp", True)])
+def test_rows_are_padded_only_where_a_teacher_forward_is_a_collective(
+    sharding, padded, make_trainer, model_dirs, tmp_path, monkeypatch
+):
+    # One process stands in for two: the other holds 5 rows of each teacher, this one 4. A sharded teacher's forward
+    # (FSDP, ZeRO-3) is a collective, so this process scores 5 rows for each, repeating row 0; at ZeRO-1/2 TRL's
+    # `prepare_deepspeed` runs the teacher unsharded, and each process scores its own rows only.
+    names = ["wide", "self"] * 4
+    dataset = tiny.prompt_dataset("opd", 8).add_column("teacher_id", names)
+    teachers = {"wide": model_dirs["teacher"], "self": model_dirs["student"]}
+    trainer = make_trainer(tiny_config(tmp_path), teacher_model=teachers, train_dataset=dataset)
+    if sharding == "fsdp":
+        monkeypatch.setattr(trainer, "is_fsdp_enabled", True)
+    elif sharding is not None:
+        monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
+        plugin = SimpleNamespace(zero_stage=sharding)
+        monkeypatch.setattr(AcceleratorState, "deepspeed_plugin", property(lambda state: plugin))
+    monkeypatch.setattr(trainer.accelerator, "gather", lambda counts: torch.cat([counts, torch.full_like(counts, 5)]))
+    batch = {"completion_ids": torch.zeros(8, 3, dtype=torch.long), "teacher_index": torch.tensor([0, 1] * 4)}
+    scored = {teacher.name: (rows.tolist(), real) for teacher, rows, real in trainer._rows_by_teacher(batch)}
+    padding = [0] if padded else []
+    assert scored == {"wide": ([0, 2, 4, 6, *padding], 4), "self": ([1, 3, 5, 7, *padding], 4)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Served teachers' request statistics over 2 processes (DDP)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_stats_run(tmp_path_factory):
+    return launch("ddp_cpu.yaml", "served_teacher_stats.py", tmp_path_factory.mktemp("served_stats"))
+
+
+def test_served_teacher_statistics_are_reduced_over_processes(served_stats_run):
+    first, second = served_stats_run
+    # The setup: at steps 1 and 3 rank 0 scored on "teacher" only and rank 1 on "self" only, at step 2 both on "teacher";
+    # only rank 1 retried and had a replica down
+    assert [list(call) for call in first["calls"]] == [["teacher"], ["teacher"], ["teacher"]]
+    assert [list(call) for call in second["calls"]] == [["self"], ["teacher"], ["self"]]
+    assert {stats["retries"] for call in first["calls"] for stats in call.values()} == {0}
+    assert {stats["retries"] for call in second["calls"] for stats in call.values()} == {3}
+    # Retries add up over processes, the seconds and replicas down are the worst process's; a teacher no process
+    # scored on has no value, one that a single process scored on has that process's
+    rank_0 = {"request_seconds": 0.5, "retries": 0.0, "replicas_down": 0.0}
+    rank_1 = {"request_seconds": 2.0, "retries": 3.0, "replicas_down": 1.0}
+    only_one_rank_each = {
+        **{f"teacher/teacher/{stat}": value for stat, value in rank_0.items()},
+        **{f"teacher/self/{stat}": value for stat, value in rank_1.items()},
+    }
+    both_on_teacher = {f"teacher/teacher/{stat}": value for stat, value in rank_1.items()}
+    expected = [only_one_rank_each, both_on_teacher, only_one_rank_each]
+    for result in served_stats_run:
+        logged = [
+            {key: value for key, value in entry.items() if key.startswith("teacher/")} for entry in result["logs"]
+        ]
+        assert logged == expected, result["rank"]

@@ -4,9 +4,10 @@ take for a multi-GPU launch (tests/distributed_scripts/fsdp2_teacher.py, `_prete
 accelerate turns FSDP on only with GPUs, so without that test-only patch an FSDP run on this machine is silently
 unsharded. With it, the Trainer shards the student with FSDP2 as on GPUs, and TRL's `DistillationTrainer` hands
 `TVOPDTrainer.__init__` a teacher that it left whole: `accelerator.prepare_model(teacher, evaluation_mode=True)` neither
-shards nor places a model under FSDP. `TVOPDTrainer.__init__` shards it with `trl.models.prepare_fsdp`; these tests check
-that this call takes effect and that the sharded teacher scores tokens exactly as an unsharded copy does. Training on
-CPU FSDP2 is not a supported mode: what this covers is our code on the GPU path, not gloo or the CPU.
+shards nor places a model under FSDP. `TVOPDTrainer.__init__` shards it (`tvopd_trl.teachers.shard_teacher`, one unit
+per decoder layer, then the root); these tests check that this call takes effect, that a teacher forward gathers one
+decoder layer at a time, and that the sharded teacher scores tokens exactly as an unsharded copy does. Training on CPU
+FSDP2 is not a supported mode: what this covers is our code on the GPU path, not gloo or the CPU.
 """
 
 import math
@@ -45,15 +46,27 @@ def test_fsdp2_shards_the_student_and_the_teacher_over_both_processes(fsdp2_run,
     assert fsdp2_run[0][model]["full_numel"] == fsdp2_run[0]["copy"]["full_numel"]  # the whole tiny model
 
 
-def test_without_prepare_fsdp_the_base_trainer_leaves_the_teacher_whole(fsdp2_run):
-    # What `DistillationTrainer` handed to our `prepare_fsdp` call (recorded by wrapping that call): a plain module with
+def test_without_shard_teacher_the_base_trainer_leaves_the_teacher_whole(fsdp2_run):
+    # What `DistillationTrainer` handed to our `shard_teacher` call (recorded by wrapping that call): a plain module with
     # every parameter whole on each rank. Without the call, that is the teacher that would score every rollout.
     for result in fsdp2_run:
-        (before,) = result["teacher_before_prepare_fsdp"]  # the call ran exactly once
+        (before,) = result["teacher_before_sharding"]  # the call ran exactly once
         assert before["class"] == "Qwen2ForCausalLM" and before["fsdp_units"] == 0, before
         assert before["dtensor_params"] == 0 and before["whole_params"] == before["params"], before
         assert before["local_numel"] == before["full_numel"] == result["teacher"]["full_numel"], before
         assert result["teacher_training"] is False  # `prepare_fsdp` leaves it in eval mode
+
+
+def test_a_teacher_forward_gathers_one_decoder_layer_at_a_time(fsdp2_run):
+    for result in fsdp2_run:
+        gathered = result["teacher_gathered"]
+        # One FSDP unit per decoder layer, then the root (embeddings, final norm and head), as the student's layers
+        assert gathered["layers"] >= 2 and gathered["sharded_layers"] == gathered["layers"], gathered
+        assert result["teacher"]["fsdp_units"] == gathered["layers"] + 1, result["teacher"]
+        # Each rank holds whole at most one layer beside the root's own parameters during the forward: as one unit,
+        # the whole teacher was gathered on every rank
+        one_layer = gathered["root_own"] + max(gathered["layer_numel"])
+        assert 0 < gathered["peak_whole"] <= one_layer < gathered["full"], gathered
 
 
 def test_fsdp2_training_logs_the_same_finite_tv_scale_and_estimate_on_both_ranks(fsdp2_run):

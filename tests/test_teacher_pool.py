@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tests.test_served_teacher import _VLLMStandIn
+from tvopd_trl.scoring import SERVED_TEACHER_STATS
 from tvopd_trl.served_teacher import connect_teacher_pool, served_teacher_logps
 from tvopd_trl.testing import tiny_config
 
@@ -133,6 +134,8 @@ def test_pool_scores_are_the_teachers_whatever_the_chunking(start_replicas, toke
         pool = connect_teacher_pool([server.url for server in servers], 0, "the teacher", chunk_rows=chunk_rows)
         assert torch.equal(pool.score(batch, 0.7), single)  # each sequence is scored on its own, wherever
         assert pool.last_stats["retries"] == 0 and pool.last_stats["replicas_down"] == 0
+    # The trainer pools each statistic over processes by a rule of its own: it has one for every statistic
+    assert list(pool.last_stats) == list(SERVED_TEACHER_STATS)
     # Chunks of one row spread over every replica
     assert all(len(server.handler.requests) >= 2 for server in servers)
 

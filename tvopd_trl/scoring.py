@@ -25,6 +25,11 @@ from .chunked_logprob import sampled_token_logprobs
 from .divergences import exact_reverse_kl_and_tv
 
 
+# A served teacher's request statistics (`TeacherServerPool.last_stats`) and how each pools over processes: the retries
+# add up, the step waits for the slowest process, and a replica down for one process is down
+SERVED_TEACHER_STATS = {"request_seconds": "max", "retries": "sum", "replicas_down": "max"}
+
+
 class CompletionScoringMixin:
     """The scoring half of [`TVOPDTrainer`]: it reads the trainer's `args`, `accelerator`, models, `temperature`, the
     served teachers' server pools and TRL's `_forward_redirection` / `_get_last_hidden_state`."""
@@ -55,6 +60,9 @@ class CompletionScoringMixin:
         logits_to_keep = batch["completion_ids"].size(1)
         batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
         signals = ["teacher_logps", *(["reverse_kl", "exact_tv"] if exact_divergences else [])]
+        served = [teacher for teacher in self.teachers.values() if teacher.served]
+        # Per served teacher: whether this process scored on it, then its request statistics (0 where it did not)
+        served_stats = torch.zeros(len(served), 1 + len(SERVED_TEACHER_STATS), device=self.accelerator.device)
         with torch.no_grad():
             for teacher, rows, real in self._rows_by_teacher(batch):
                 if teacher.served:
@@ -63,12 +71,8 @@ class CompletionScoringMixin:
                         for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
                     }
                     scores = [teacher.client.score(routed, self.temperature).to(self.accelerator.device)]
-                    for stat, value in teacher.client.last_stats.items():
-                        self.record_metric(
-                            f"teacher/{stat}" if len(self.teachers) == 1 else f"teacher/{teacher.name}/{stat}",
-                            value,
-                            mode="train" if self.model.training else "eval",
-                        )
+                    stats = teacher.client.last_stats
+                    served_stats[served.index(teacher)] = torch.tensor([1.0, *map(stats.get, SERVED_TEACHER_STATS)])
                 else:
                     teacher.model.eval()  # whatever another callback or user did to it since construction
                     ids, mask = prompt_completion_ids[rows], attention_mask[rows]
@@ -83,12 +87,31 @@ class CompletionScoringMixin:
                 batch["old_logps"] = self._sampled_token_logps(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
+        if served:
+            self._record_served_teacher_stats(served, served_stats)
         return batch
+
+    def _record_served_teacher_stats(self, served, stats):
+        # One collective per scoring, of one size on every process, whichever teachers each process had rows for
+        gathered = self.accelerator.gather(stats[None])  # (processes, served teachers, 1 + statistics)
+        summed = torch.tensor([reduction == "sum" for reduction in SERVED_TEACHER_STATS], device=stats.device)
+        pooled = torch.where(summed, gathered[..., 1:].sum(dim=0), gathered[..., 1:].amax(dim=0))
+        scored = gathered[..., 0].amax(dim=0) > 0
+        for teacher, values, scored_anywhere in zip(served, pooled.tolist(), scored.tolist(), strict=True):
+            if not scored_anywhere:  # no process had rows for it: no request was made
+                continue
+            for stat, value in zip(SERVED_TEACHER_STATS, values, strict=True):
+                self.record_metric(
+                    f"teacher/{stat}" if len(self.teachers) == 1 else f"teacher/{teacher.name}/{stat}",
+                    value,
+                    mode="train" if self.model.training else "eval",
+                )
 
     def _rows_by_teacher(self, batch):
         """`(teacher, rows, real)` for each teacher: the indices of its rows in `batch`, of which the first `real` are
         its own. A sharded teacher's forward is a collective, so every process scores as many rows for it as the
-        process with the most, repeating row 0 where it has fewer."""
+        process with the most, repeating row 0 where it has fewer. A teacher is sharded under FSDP, and under DeepSpeed
+        at ZeRO-3 only: TRL's `prepare_deepspeed` runs it whole (stage 0) below."""
         rows_count = batch["completion_ids"].size(0)
         if len(self.teachers) == 1:
             rows = torch.arange(rows_count, device=batch["completion_ids"].device)
@@ -101,7 +124,9 @@ class CompletionScoringMixin:
         index = batch["teacher_index"]
         rows = [(index == k).nonzero().squeeze(1) for k in range(len(self.teachers))]
         real = [len(own) for own in rows]
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_fsdp_enabled or (
+            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        ):
             most = self.accelerator.gather(torch.tensor([real], device=index.device)).max(dim=0).values.tolist()
             rows = [
                 own if teacher.served else torch.cat([own, own.new_zeros(target - len(own))])

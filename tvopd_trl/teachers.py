@@ -24,11 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils.dataclasses import get_module_class_from_name
 from transformers import PreTrainedModel
+from transformers.utils import logging
 from trl.models import prepare_deepspeed, prepare_fsdp
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import create_model_from_path
 
+
+logger = logging.get_logger(__name__)
 
 TEACHER_ID_COLUMN = "teacher_id"  # the column TRL's asynchronous distillation trainer routes by
 SINGLE_TEACHER = "teacher"
@@ -163,12 +167,36 @@ def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel):
         )
     if trainer.is_deepspeed_enabled:
         teacher = prepare_deepspeed(teacher, accelerator)
+    elif trainer.is_fsdp_enabled:
+        # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP. Sharding places it.
+        teacher = accelerator.prepare_model(
+            shard_teacher(teacher, accelerator), device_placement=False, evaluation_mode=True
+        )
     else:
         teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
-    if trainer.is_fsdp_enabled:
-        # TRL's base trainer leaves the teacher whole (and unplaced) under FSDP: shard it as the student is.
-        teacher = prepare_fsdp(teacher, accelerator)
     # A teacher passed as an object may be in train mode: its dropout would make every score a random draw
     teacher.eval()
     add_fused_lm_head(accelerator.unwrap_model(teacher), temperature=trainer.temperature, cast_lm_head_to_fp32=True)
     return teacher
+
+
+def shard_teacher(teacher, accelerator):
+    """`teacher` sharded under FSDP, from wherever it was loaded. Under FSDP2 each decoder layer (the model's
+    `_no_split_modules`) is a unit of its own before the root is, as accelerate's auto-wrap does for the student:
+    `fully_shard` moves one unit at a time to the device, and a forward gathers one layer at a time beside the root's
+    own parameters, never the whole teacher. Under FSDP1, TRL's `prepare_fsdp` wraps it by the run's auto-wrap policy."""
+    if accelerator.state.fsdp_plugin.fsdp_version == 2:
+        from accelerate.utils import get_module_children_bottom_up  # accelerate >= 1.6; FSDP2 needs 1.7 anyway
+
+        names = getattr(teacher, "_no_split_modules", None) or []
+        layers = tuple(filter(None, (get_module_class_from_name(teacher, name) for name in names)))
+        if not layers:
+            logger.warning(
+                f"The teacher ({type(teacher).__name__}) names no decoder layer class in `_no_split_modules`: under "
+                "FSDP2 it is one unit, gathered whole on every process at each forward."
+            )
+        # Bottom-up, as a unit must be sharded before any unit around it
+        for module in get_module_children_bottom_up(teacher)[:-1]:
+            if isinstance(module, layers):
+                prepare_fsdp(module, accelerator)
+    return prepare_fsdp(teacher, accelerator)

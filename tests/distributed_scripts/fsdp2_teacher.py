@@ -4,10 +4,10 @@
 
 accelerate turns FSDP on only with GPUs: on a CPU-only machine an FSDP launch silently runs unsharded. This script makes
 accelerate believe that its gloo process group is a multi-GPU one (a test-only patch, `_pretend_multi_gpu`), so that
-the Trainer shards the student with FSDP2 and `TVOPDTrainer.__init__` shards the teacher with
-`trl.models.prepare_fsdp`. Each rank records how both models are held, the teacher as TRL's base trainer handed it to
-that call, the training logs, and the teacher log-probabilities of a fixed batch through the sharded teacher and
-through an unsharded copy. tests/test_fsdp.py checks them.
+the Trainer shards the student with FSDP2 and `TVOPDTrainer.__init__` shards the teacher (`tvopd_trl.teachers.
+shard_teacher`). Each rank records how both models are held, the teacher as TRL's base trainer handed it to that call,
+how much of the teacher a forward holds whole at once, the training logs, and the teacher log-probabilities of a fixed
+batch through the sharded teacher and through an unsharded copy. tests/test_fsdp.py checks them.
 """
 
 import sys
@@ -48,15 +48,44 @@ def _sharding(model):
     }
 
 
-def _recording_prepare_fsdp(record):
-    """Wraps the `prepare_fsdp` that `tvopd_trl.teachers.prepare_teacher` calls, to record the teacher as the base trainer left it."""
-    prepare_fsdp = tvopd_trl.teachers.prepare_fsdp
+def _recording_shard_teacher(record):
+    """Wraps the `shard_teacher` that `tvopd_trl.teachers.prepare_teacher` calls, to record the teacher as the base
+    trainer left it."""
+    shard_teacher = tvopd_trl.teachers.shard_teacher
 
-    def prepare(model, accelerator):
+    def shard(model, accelerator):
         record.append(_sharding(model))
-        return prepare_fsdp(model, accelerator)
+        return shard_teacher(model, accelerator)
 
-    return prepare
+    return shard
+
+
+def _gathered_at_once(teacher, forward):
+    """How many of the teacher's parameters this rank holds whole (a plain tensor, not its DTensor shard) at most, at
+    the entry and exit of any of its modules during `forward()`; beside the sizes of its decoder layers and root."""
+    peak = 0
+
+    def record(*_):
+        nonlocal peak
+        # FSDP2 swaps a unit's parameters for whole tensors while it computes: read them anew each time
+        peak = max(peak, sum(p.numel() for p in teacher.parameters() if not isinstance(p, DTensor)))
+
+    hooks = [module.register_forward_pre_hook(record) for module in teacher.modules()]
+    hooks += [module.register_forward_hook(record) for module in teacher.modules()]
+    forward()
+    for hook in hooks:
+        hook.remove()
+    layers = teacher.model.layers
+    full = sum(p.numel() for p in teacher.parameters())  # a DTensor's numel is the full tensor's
+    layer_numel = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return {
+        "peak_whole": peak,
+        "full": full,
+        "layer_numel": layer_numel,
+        "root_own": full - sum(layer_numel),  # embeddings, final norm and head
+        "layers": teacher.config.num_hidden_layers,
+        "sharded_layers": sum(isinstance(layer, FSDPModule) for layer in layers),
+    }
 
 
 def _fixed_batch(tokenizer):
@@ -104,8 +133,8 @@ def main(output_dir):
         learning_rate=1e-4,
         tv_ema_decay=0.0,  # c_k follows each step's estimate, so that the scale moves within 3 steps
     )
-    before_prepare_fsdp = []
-    tvopd_trl.teachers.prepare_fsdp = _recording_prepare_fsdp(before_prepare_fsdp)
+    before_sharding = []
+    tvopd_trl.teachers.shard_teacher = _recording_shard_teacher(before_sharding)
     trainer = tiny_pair_trainer(args, prompts=32)
     tokenizer = trainer.processing_class
     accelerator = trainer.accelerator
@@ -116,10 +145,15 @@ def main(output_dir):
 
     # The teacher through the trainer's own scoring path (sharded, fused head) and an unsharded copy of it.
     input_ids, attention_mask, completion_mask = _fixed_batch(tokenizer)
+    scores = []
     with torch.no_grad():
-        sharded = trainer._sampled_token_logps(
-            trainer.teacher_model, input_ids, attention_mask, completion_mask.size(1)
+        gathered = _gathered_at_once(
+            trainer.teacher_model,
+            lambda: scores.append(
+                trainer._sampled_token_logps(trainer.teacher_model, input_ids, attention_mask, completion_mask.size(1))
+            ),
         )
+    (sharded,) = scores
     copy = AutoModelForCausalLM.from_pretrained(tiny.teacher_path()).eval()
     unsharded = _reference_logps(copy, input_ids, attention_mask, completion_mask, trainer.temperature)
 
@@ -134,7 +168,8 @@ def main(output_dir):
             "student": _sharding(trainer.model_wrapped),
             "teacher": teacher_after_init,
             "teacher_after_training": _sharding(trainer.teacher_model),  # resharded after each forward
-            "teacher_before_prepare_fsdp": before_prepare_fsdp,
+            "teacher_before_sharding": before_sharding,
+            "teacher_gathered": gathered,
             "teacher_training": trainer.teacher_model.training,
             "copy": _sharding(copy),
             "logs": [entry for entry in trainer.state.log_history if "tv/scale" in entry],
