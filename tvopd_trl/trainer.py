@@ -34,7 +34,14 @@ from trl.trainer.utils import (
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import RolloutCheckpointMixin
-from .checks import check_inputs, check_loaded_trainer, check_paths, connect_server, load_tokenizer
+from .checks import (
+    check_inputs,
+    check_loaded_trainer,
+    check_paths,
+    check_teacher_pools,
+    load_tokenizer,
+    wait_for_server,
+)
 from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
@@ -147,11 +154,20 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
             url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-            connect_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
+            wait_for_server(url, args.vllm_server_timeout, "the rollout server (vllm_server_base_url)")
         pools = {
-            name: connect_teacher_pool(urls, args.teacher_model_server_timeout, f"the teacher server {name!r}")
+            name: connect_teacher_pool(
+                urls,
+                args.teacher_model_server_timeout,
+                f"the teacher server {name!r}",
+                chunk_rows=args.teacher_model_server_chunk_rows,
+                max_in_flight=args.teacher_model_server_max_in_flight,
+                request_timeout=args.teacher_model_server_request_timeout,
+                retries=args.teacher_model_server_retries,
+            )
             for name, urls in served_teachers.items()
         }
+        check_teacher_pools(args, pools)
         check_paths(model, local_teachers)
         teacher_tokenizers = teacher_processing_classes(teacher_processing_class, [*local_teachers, *served_teachers])
         for name, source in local_teachers.items():
@@ -163,10 +179,10 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
 
         # `prepare_teacher` loads and places the teachers as the base trainer would its one, without its check that the
         # output layers have one size.
-        if args.use_vllm and args.vllm_mode == "server":
-            from .vllm_weight_sync import folder_weight_sync
+        if args.use_vllm:
+            from .vllm_weight_sync import cpu_weight_sync
 
-            building = folder_weight_sync(args.vllm_server_weights_dir)
+            building = cpu_weight_sync(args.vllm_server_weights_dir)
         else:
             building = contextlib.nullcontext()
         with building:

@@ -11,8 +11,10 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Server-mode rollouts from a trainer without CUDA: the student's weights reach the vLLM server through a folder the
-server reads, because TRL's weight sync to a server is vLLM's NCCL weight-transfer engine, which needs a CUDA device.
+"""vLLM rollouts from a trainer without CUDA. TRL's weight sync pushes the student's weights to a server through vLLM's
+NCCL weight-transfer engine, which needs a CUDA device, and into a colocated engine parameter by parameter through
+`load_weights`, which vLLM's CPU model runner does not support once it has repacked its layers. Both go through vLLM's
+in-place `reload_weights` here instead.
 
 On a CUDA trainer nothing here changes TRL's path."""
 
@@ -28,19 +30,22 @@ from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
 
 
-class FolderWeightSyncGeneration(VLLMGeneration):
+class CPUWeightSyncGeneration(VLLMGeneration):
     """
-    TRL's `VLLMGeneration`, whose server mode on a trainer without CUDA pushes the student's weights through a folder.
+    TRL's `VLLMGeneration`, whose weight sync on a trainer without CUDA is vLLM's in-place `reload_weights`.
 
-    After each optimizer step, [`~FolderWeightSyncGeneration.sync_weights`] writes the student's parameters (gathered
-    as TRL gathers them under ZeRO-3, FSDP and PEFT) as one safetensors file into `weights_dir`, asks the server to
-    load them in place (vLLM's `reload_weights`, through its development endpoint `POST /collective_rpc`), and resets
-    the server's prefix cache. The server must run with `VLLM_SERVER_DEV_MODE=1` and read `weights_dir`: the trainer's
-    own disk for a server on the same machine, a shared file system otherwise. Generation itself is TRL's.
+    After each optimizer step, [`~CPUWeightSyncGeneration.sync_weights`] gathers the student's parameters as TRL
+    gathers them (ZeRO-3, FSDP, PEFT) and
+    - in server mode, writes them as one safetensors file into `weights_dir`, asks the server to reload them (through
+      its development endpoint `POST /collective_rpc`) and resets its prefix cache. The server must run with
+      `VLLM_SERVER_DEV_MODE=1` and read `weights_dir`: the trainer's own disk for a server on the same machine, a
+      shared file system otherwise;
+    - in colocate mode, hands them to the process's own engine, in memory.
+    Generation itself is TRL's.
 
     Args:
         weights_dir (`str`, *optional*):
-            The folder; by default a temporary one, removed at exit.
+            Server mode's folder; by default a temporary one, removed at exit.
         *args, **kwargs:
             TRL's `VLLMGeneration` arguments.
     """
@@ -50,11 +55,11 @@ class FolderWeightSyncGeneration(VLLMGeneration):
         super().__init__(*args, **kwargs)
 
     @property
-    def _syncs_through_folder(self):
-        return self.mode == "server" and self.accelerator.device.type != "cuda"
+    def _reloads_in_place(self):
+        return self.accelerator.device.type != "cuda"
 
     def _init_vllm(self):
-        if not self._syncs_through_folder:
+        if self.mode != "server" or not self._reloads_in_place:
             return super()._init_vllm()
         if self.accelerator.is_main_process:
             base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
@@ -73,20 +78,26 @@ class FolderWeightSyncGeneration(VLLMGeneration):
         self.accelerator.wait_for_everyone()
 
     def sync_weights(self):
-        if not self._syncs_through_folder:
+        if not self._reloads_in_place:
             return super().sync_weights()
-        from safetensors.torch import save_file
-
-        main = self.accelerator.is_main_process
-        # Every process walks the parameters: under ZeRO-3 and FSDP each gather is a collective
-        state = {name: param.detach().to("cpu", copy=True) for name, param in self._iter_named_params() if main}
-        if not main:
+        # Every process walks the parameters: under ZeRO-3 and FSDP each gather is a collective. In server mode only
+        # the main process talks to the server; in colocate mode each process has its own engine.
+        keep = self.mode == "colocate" or self.accelerator.is_main_process
+        state = {name: param.detach().to("cpu", copy=True) for name, param in self._iter_named_params() if keep}
+        if not keep:
             return
-        # vLLM's in-place reload leaves a tied LM head out unless the checkpoint names it, and then serves the old
-        # head with the new body
+        # vLLM's in-place reload leaves a tied LM head out unless the weights name it, and then serves the old head
+        # with the new body
         for alias, source in self._tied_names():
             if source in state:
                 state[alias] = state[source].clone()
+        if self.mode == "colocate":
+            model_runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+            model_runner.reload_weights(weights_iterator=iter(state.items()))
+            self.llm.reset_prefix_cache()
+            return
+        from safetensors.torch import save_file
+
         path = os.path.join(self.weights_dir, "model.safetensors")
         save_file({name: tensor.contiguous() for name, tensor in state.items()}, f"{path}.partial")
         os.replace(f"{path}.partial", path)  # the server never reads a half-written file
@@ -110,11 +121,12 @@ class FolderWeightSyncGeneration(VLLMGeneration):
 
 
 @contextlib.contextmanager
-def folder_weight_sync(weights_dir=None):
+def cpu_weight_sync(weights_dir=None):
     """While TRL's `DistillationTrainer.__init__` runs inside it, the `VLLMGeneration` it builds is a
-    [`FolderWeightSyncGeneration`] writing into `weights_dir`: TRL builds its generation inline, with no hook."""
+    [`CPUWeightSyncGeneration`] (server mode writing into `weights_dir`): TRL builds its generation inline, with no
+    hook."""
     original = distillation_trainer.VLLMGeneration
-    distillation_trainer.VLLMGeneration = functools.partial(FolderWeightSyncGeneration, weights_dir=weights_dir)
+    distillation_trainer.VLLMGeneration = functools.partial(CPUWeightSyncGeneration, weights_dir=weights_dir)
     try:
         yield
     finally:
