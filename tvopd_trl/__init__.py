@@ -15,12 +15,24 @@
 
 __version__ = "0.1.0.dev0"
 
-from .advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES, AdvantageMode, compute_advantages
-from .callbacks import TVScheduleCallback
-from .config import TVOPDConfig
-from .eval import BenchmarkEvalCallback
-from .trainer import TVOPDTrainer
-from .tv import TVScheduler, tv_estimate
+import importlib
+
+
+# Public names -> the module that defines them, imported on first use (PEP 562): importing the package, or a light
+# module of it (`tvopd_trl.tiny`, the `tvopd-trl` command), does not pull in torch, TRL's trainers and the trackers
+# they import (trackio prints on import under `WANDB_MODE=offline`).
+_LAZY = {
+    "ADVANTAGE_MODES": "advantages",
+    "ADVANTAGE_MODE_REGISTRY": "advantages",
+    "AdvantageMode": "advantages",
+    "compute_advantages": "advantages",
+    "TVScheduleCallback": "callbacks",
+    "TVOPDConfig": "config",
+    "BenchmarkEvalCallback": "eval",
+    "TVOPDTrainer": "trainer",
+    "TVScheduler": "tv",
+    "tv_estimate": "tv",
+}
 
 
 __all__ = [
@@ -35,3 +47,9 @@ __all__ = [
     "compute_advantages",
     "tv_estimate",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

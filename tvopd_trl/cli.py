@@ -120,10 +120,12 @@ def _fill_launch_defaults(launch, training_args):
 
 class Command:
     """`tvopd-trl NAME`: the `make_parser(prog)` and `run(argv) -> int` of `tvopd_trl.scripts.<module>` (by default,
-    the module named NAME)."""
+    the module named NAME). `loads_models`: whether it loads models, and so needs `quiet()`, which imports
+    transformers (a second of a command that only reads files)."""
 
-    def __init__(self, name, help_text, module=None):
+    def __init__(self, name, help_text, module=None, loads_models=True):
         self.name, self.help_text, self.module = name, help_text, f"tvopd_trl.scripts.{module or name}"
+        self.loads_models = loads_models
 
     def make_parser(self):
         return importlib.import_module(self.module).make_parser(prog=f"tvopd-trl {self.name}")
@@ -171,12 +173,12 @@ COMMANDS = {
     for command in (
         LaunchedCommand("train", "run the TV-OPD main job"),
         Command("eval", "evaluate a model or a run's checkpoints on benchmarks", module="evaluate"),
-        Command("select", "select each run's checkpoint"),
-        Command("report", "tables and curves from runs' evaluations"),
-        Command("push", "upload a run's selected checkpoint to the Hub"),
+        Command("select", "select each run's checkpoint", loads_models=False),
+        Command("report", "tables and curves from runs' evaluations", loads_models=False),
+        Command("push", "upload a run's selected checkpoint to the Hub", loads_models=False),
         Command("doctor", "check a teacher/student pair for silent teacher-scoring bugs"),
         Command("study", "run a (method x seed) grid and write the paper's tables and figures"),
-        Command("recipes", "list the recipes that ship with the package, or print one"),
+        Command("recipes", "list the recipes that ship with the package, or print one", loads_models=False),
     )
 }
 
@@ -198,8 +200,10 @@ def main(argv=None) -> int:
         return 0
     if argv[0] not in COMMANDS:
         parser.parse_args(argv[:1])  # exits with the one-line error that lists the commands
-    quiet()
-    return report_errors(f"tvopd-trl {argv[0]}", COMMANDS[argv[0]].run, argv[1:])
+    command = COMMANDS[argv[0]]
+    if command.loads_models:
+        quiet()
+    return report_errors(f"tvopd-trl {argv[0]}", command.run, argv[1:])
 
 
 if __name__ == "__main__":

@@ -27,9 +27,7 @@ from .benchmarks import (
     read_problems,
     register_benchmark,
 )
-from .callback import BenchmarkEvalCallback
 from .evaluate import evaluate, step_dir
-from .generation import SamplingSettings, TransformersGenerator, VLLMGenerator
 from .grading import grade, grade_answer, grade_responses, last_boxed
 from .selection import (
     PAPER_LATE_WINDOW,
@@ -47,6 +45,15 @@ from .selection import (
     trajectory_average,
 )
 
+
+# Names whose modules import torch or TRL, imported on first use (PEP 562): reading benchmarks, grading and selecting
+# checkpoints need neither.
+_LAZY = {
+    "BenchmarkEvalCallback": "callback",
+    "SamplingSettings": "generation",
+    "TransformersGenerator": "generation",
+    "VLLMGenerator": "generation",
+}
 
 __all__ = [
     "BENCHMARKS",
@@ -89,6 +96,8 @@ __all__ = [
 
 
 def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     # `tiny_benchmark` lives with the tiny task, which imports this package; this old import of it resolves on use.
     if name == "tiny_benchmark":
         return importlib.import_module("tvopd_trl.tiny").tiny_benchmark

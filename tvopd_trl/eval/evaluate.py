@@ -26,8 +26,6 @@ import os
 import re
 import time
 
-from accelerate.utils import gather_object
-
 from .accuracy import summarize
 from .benchmarks import get_benchmark, load_problems
 from .grading import CORRECT, DEFAULT_TIMEOUT_SECONDS, INVALID_GOLD, NO_ANSWER, TIMEOUT, grade_responses
@@ -149,6 +147,8 @@ def _grade_shards(responses, golds, keep_responses, accelerator, workers, timeou
         for n, answer, status in zip(shard, answers, statuses, strict=True)
     ]
     if accelerator is not None:
+        from accelerate.utils import gather_object
+
         records = sorted(gather_object(records), key=lambda record: record[0])
     if [record[0] for record in records] != list(range(len(flat))):
         raise RuntimeError("The generator's shards must hold every response exactly once.")

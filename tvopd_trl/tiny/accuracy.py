@@ -13,7 +13,7 @@
 # limitations under the License.
 """The embedded tasks as benchmarks of the evaluation module, and a model's accuracy on a split of one."""
 
-from ..eval import Benchmark, Problem, SamplingSettings, TransformersGenerator, evaluate, mean_at_k
+from ..eval import Benchmark, Problem, evaluate, mean_at_k
 from .task import max_new_tokens as skill_max_new_tokens
 from .task import problems, symbol
 
@@ -39,6 +39,8 @@ def evaluate_accuracy(
 ):
     """mean@k on `skill`'s `split` at the paper's sampling settings (T=0.6, top-p 0.95, top-k 20), or greedy
     accuracy. `max_new_tokens` defaults to the skill's budget (`task.max_new_tokens`)."""
+    from ..eval import SamplingSettings, TransformersGenerator
+
     max_new_tokens = max_new_tokens or skill_max_new_tokens(skill)
     if greedy:
         settings = SamplingSettings(k=1, temperature=0, max_new_tokens=max_new_tokens)

@@ -43,8 +43,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from datasets import Dataset
-
 
 SPLIT_SEED = 1234
 SPLIT_SIZES = {"test": 500, "dev": 500, "opd": 1600}  # addition's; "sft" takes the rest
@@ -170,6 +168,8 @@ def prompt_dataset(split, n=None, skill="addition"):
     """A `datasets.Dataset` with a conversational `prompt` column (one user turn) and an `answer` column.
 
     `n` keeps the first `n` problems of the split (its order is fixed)."""
+    from datasets import Dataset
+
     return Dataset.from_dict(_prompt_columns(_rows(split, n, skill)))
 
 
@@ -179,6 +179,8 @@ def multi_skill_prompt_dataset(split, n=None, skills=SKILLS, seed=MIX_SEED):
     after its skill, see `tvopd_trl.tiny.multi_teacher_paths`).
 
     `n` keeps the first `n` problems of each skill's split before the shuffle."""
+    from datasets import Dataset
+
     rows = [(skill, row) for skill in skills for row in _rows(split, n, skill)]
     random.Random(seed).shuffle(rows)
     columns = _prompt_columns([row for _, row in rows])
