@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import os
 
-from trl import DistillationConfig
+from trl import DistillationConfig, ModelConfig
 
 from tvopd_trl.cli import COMMANDS
 from tvopd_trl.config import TVOPDConfig
@@ -46,6 +46,7 @@ EXAMPLES = {
             "tvopd-trl train --config recipes/tiny/tvopd.yaml                      # the same, from its file",
             "tvopd-trl train --config tiny/raw --seed 1                            # a packaged recipe, by name",
             "tvopd-trl train --config recipes/qwen3-8b_to_qwen3-8b-sft/tvopd.yaml --num_processes 8",
+            "tvopd-trl train --use_peft --lora_r 16 --lora_target_modules all-linear --dtype bfloat16   # LoRA",
         ],
         [
             "Runs `tvopd_trl.scripts.train` through `accelerate launch`. A recipe key or flag that the script does not "
@@ -59,6 +60,15 @@ EXAMPLES = {
             "`--config`, and without a model, teacher or dataset of its own, the job runs the embedded default, the "
             "`tiny/tvopd` recipe. The precision follows the machine (float32 on CPU, bf16 on a GPU that has it) "
             "unless the recipe or a flag sets `bf16`.",
+            "The student and how it loads are TRL's `ModelConfig`, as in TRL's own scripts (flags or recipe keys): "
+            "`--model_name_or_path`, `--dtype` and `--attn_implementation` (the student and the teachers; a recipe's "
+            "`model_init_kwargs` / `teacher_model_init_kwargs` win), `--model_revision`, LoRA (`--use_peft`, "
+            "`--lora_r`, `--lora_alpha`, `--lora_target_modules all-linear`, ...) and `--load_in_4bit` (bitsandbytes, on a "
+            "GPU; not verified here). A LoRA run "
+            "saves an adapter (`adapter_config.json`, `adapter_model.safetensors`) in `output_dir` and its "
+            "checkpoints; `tvopd-trl eval` evaluates it merged into its base model and `tvopd-trl push` uploads it. "
+            "Without `--dtype`, the student loads in float32 and each teacher in its checkpoint's dtype (or its "
+            "`teacher_model_init_kwargs`).",
             "`accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml` is the same job.",
             "Every option is described in [config-reference.md](config-reference.md).",
         ],
@@ -141,12 +151,13 @@ EXAMPLES = {
 
 
 def _own_options(command):
-    """The dests of the options `tvopd-trl COMMAND` adds to TRL's and transformers' (None: the command has no others)."""
+    """The dests of the options `tvopd-trl COMMAND` adds to TRL's and transformers' training arguments, TRL's
+    `ModelConfig` included (None: the command has no others)."""
     if command not in ("train", "doctor"):
         return None
     inherited = {field.name for field in dataclasses.fields(DistillationConfig)}
     own = {field.name for field in dataclasses.fields(TVOPDConfig)} - inherited
-    classes = (MainJobArguments,) + ((DoctorArguments,) if command == "doctor" else ())
+    classes = (MainJobArguments, ModelConfig) + ((DoctorArguments,) if command == "doctor" else ())
     return own | {field.name for cls in classes for field in dataclasses.fields(cls)} | {"config", "help"}
 
 

@@ -39,7 +39,17 @@ def _classes():
             "Every field of `trl.DistillationConfig` and "
             "`transformers.TrainingArguments` applies too; these are the ones TV-OPD adds or changes.",
         ),
-        (MainJobArguments, "`MainJobArguments`: `tvopd-trl train` beyond the trainer", None),
+        (
+            MainJobArguments,
+            "`MainJobArguments`: `tvopd-trl train` beyond the trainer",
+            "The student and how it loads are TRL's `trl.ModelConfig`, as in TRL's own scripts: `model_name_or_path` "
+            "(default: the embedded tiny student), `dtype` (`float32`, `bfloat16`, `float16` or `auto`; default: "
+            "float32 for the student and each teacher's `teacher_model_init_kwargs`, else its checkpoint's dtype; set, "
+            "it loads the teachers too), `attn_implementation` (student and teachers), `model_revision`, LoRA "
+            "(`use_peft`, `lora_r`, `lora_alpha`, `lora_dropout`, `lora_target_modules`, ...: the run saves an adapter) "
+            "and `load_in_4bit` / `load_in_8bit` (bitsandbytes, on a GPU; not verified here). A recipe's "
+            "`model_init_kwargs` / `teacher_model_init_kwargs` win over them.",
+        ),
         (EvalArguments, "`EvalArguments`: `tvopd-trl eval`", None),
         (DoctorArguments, "`DoctorArguments`: `tvopd-trl doctor` beyond the options of `tvopd-trl train`", None),
     ]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from trl import DistillationConfig, SFTConfig
+from trl import DistillationConfig, ModelConfig, SFTConfig
 
 from tvopd_trl import callbacks as callbacks_module
 from tvopd_trl import metrics as metrics_module
@@ -254,7 +254,7 @@ def _config_names(path):
 
 @pytest.mark.parametrize("path", PROSE_PAGES, ids=os.path.basename)
 def test_config_field_names_in_the_docs_exist(path):
-    known = _fields(TVOPDConfig, MainJobArguments, EvalArguments) | set(ADVANTAGE_MODES) | OTHER_NAMES
+    known = _fields(TVOPDConfig, MainJobArguments, ModelConfig, EvalArguments) | set(ADVANTAGE_MODES) | OTHER_NAMES
     try:
         from tvopd_trl.scripts.doctor import DoctorArguments
 

@@ -18,10 +18,10 @@ RECIPE = "recipes/tiny/tvopd.yaml"
 
 
 def _diagnose(*flags, prompts=32, recipe=RECIPE):
-    _, job_args, training_args = make_parser().parse_args_and_config(
+    _, job_args, training_args, model_args = make_parser().parse_args_and_config(
         args=["--config", recipe, *flags], fail_with_unknown_args=False
-    )[:3]
-    return {check.name: check for check in diagnose(job_args, training_args, num_prompts=prompts)}
+    )[:4]
+    return {check.name: check for check in diagnose(job_args, training_args, model_args, num_prompts=prompts)}
 
 
 def test_sampling_moments_on_an_enumerated_distribution():

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_job(argv, monkeypatch):
-    """The main job's (job_args, training_args) for `tvopd-trl train ARGV`, without training."""
+    """The main job's (job_args, training_args, model_args) for `tvopd-trl train ARGV`, without training."""
     from tvopd_trl.scripts import train
 
     parsed = []
@@ -36,9 +36,11 @@ def parse_job(argv, monkeypatch):
 
 def test_without_a_recipe_the_job_runs_the_tiny_recipe_in_the_machines_precision(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    job_args, training_args = parse_job([], monkeypatch)
-    reference_job, reference = parse_job(["--config", str(ROOT / "recipes" / "tiny" / "tvopd.yaml")], monkeypatch)
-    assert (job_args, training_args.to_dict()) == (reference_job, reference.to_dict())
+    job_args, training_args, model_args = parse_job([], monkeypatch)
+    reference_job, reference, reference_model = parse_job(
+        ["--config", str(ROOT / "recipes" / "tiny" / "tvopd.yaml")], monkeypatch
+    )
+    assert (job_args, training_args.to_dict(), model_args) == (reference_job, reference.to_dict(), reference_model)
     assert DEFAULT_RECIPE == "tiny/tvopd" and training_args.output_dir == "outputs/tiny/tvopd"
     assert (training_args.max_steps, training_args.learning_rate, training_args.bf16) == (300, 1e-3, False)
     assert parse_job(["--max_steps", "3"], monkeypatch)[1].max_steps == 3  # flags override it
@@ -60,7 +62,7 @@ def test_a_model_of_ones_own_does_not_get_the_tiny_recipe(monkeypatch):
     from tvopd_trl.scripts.train import make_parser
 
     flags = ["--model_name_or_path", "me/student", "--teacher_model_name_or_path", "me/teacher"]
-    _, training_args = make_parser().parse_args_and_config(flags)
+    _, training_args, _ = make_parser().parse_args_and_config(flags)
     assert training_args.max_completion_length != 8 and training_args.output_dir != "outputs/tiny/tvopd"
 
 

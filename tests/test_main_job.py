@@ -59,7 +59,7 @@ def test_every_tiny_recipe_parses_into_its_mode():
     for recipe in sorted(RECIPES.glob("*.yaml")):
         if recipe.name.startswith("study"):  # a grid of runs (`tvopd-trl study`), not a training recipe
             continue
-        _, training_args = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", "unused"])
+        _, training_args, _ = make_parser().parse_args_and_config(["--config", str(recipe), "--output_dir", "unused"])
         modes[recipe.stem] = training_args.advantage_mode
     expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
     long = {f"long_{name}": mode for name, mode in LONG_MODES.items()}

@@ -81,8 +81,9 @@ def parse_opd(path, *flags):
 def test_every_opd_recipe_parses_into_tvopd_config(path, without_vllm):
     from tvopd_trl.config import TVOPDConfig
 
-    _, training_args, config_remaining, cli_remaining = parse_opd(path)
+    _, training_args, model_args, config_remaining, cli_remaining = parse_opd(path)
     assert isinstance(training_args, TVOPDConfig)
+    assert model_args.model_name_or_path == load(path).get("model_name_or_path")  # TRL's `ModelConfig` holds it
     assert training_args.advantage_mode == load(path)["advantage_mode"]
     assert cli_remaining == []
     check_launch_flags(config_remaining)

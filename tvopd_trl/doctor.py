@@ -300,14 +300,18 @@ def _build(trainer_kwargs, **overrides):
     return trainer, [Check("trainer warning", WARN, note) for note in sorted(notes)]
 
 
-def diagnose(job_args, training_args, num_prompts=8, max_completion_length=128, tolerance=1e-3, z_threshold=5.0):
-    """Every check, in order, on the pair and prompts the main job would use with this config. With several teachers,
-    each teacher is checked against the student on the prompts routed to it, its checks named `check (teacher)`."""
-    from .job import load_job
+def diagnose(
+    job_args, training_args, model_args, num_prompts=8, max_completion_length=128, tolerance=1e-3, z_threshold=5.0
+):
+    """Every check, in order, on the pair and prompts the main job would use with these arguments (`job_parser`'s).
+    With several teachers, each teacher is checked against the student on the prompts routed to it, its checks named
+    `check (teacher)`."""
+    from .job import apply_model_config, load_job
     from .teachers import TEACHER_ID_COLUMN
 
-    student_path, teacher_path, tokenizer, dataset = load_job(job_args, training_args)
+    student_path, teacher_path, tokenizer, dataset = load_job(job_args, training_args, model_args)
     options = dict(
+        model_options=apply_model_config(model_args, training_args),
         num_prompts=num_prompts,
         max_completion_length=max_completion_length,
         tolerance=tolerance,
@@ -334,6 +338,7 @@ def _diagnose_pair(
     teacher_path,
     tokenizer,
     dataset,
+    model_options,
     num_prompts,
     max_completion_length,
     tolerance,
@@ -365,7 +370,10 @@ def _diagnose_pair(
     with tempfile.TemporaryDirectory() as output_dir:
         args = _doctor_args(training_args, len(prompts), max_completion_length, output_dir)
         common = dict(
-            model=student_path, train_dataset=dataset.select(range(len(prompts))), processing_class=tokenizer
+            model=student_path,
+            train_dataset=dataset.select(range(len(prompts))),
+            processing_class=tokenizer,
+            **model_options,
         )
         self_args = dataclasses.replace(args, teacher_model_server_url=None)
         trainer, _ = _build(common, args=self_args, teacher_model=student_path, teacher_processing_class=tokenizer)

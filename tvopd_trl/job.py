@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
-from trl import TrlParser
+from trl import ModelConfig, TrlParser
 
 from .console import OneLineErrors
 from .eval import SamplingSettings, TransformersGenerator, evaluate, get_benchmark, load_problems, mean_at_k
@@ -48,7 +48,15 @@ CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_mode
 @dataclass
 class MainJobArguments:
     r"""
-    Arguments of the main job that are not training arguments.
+    Arguments of the main job that are neither training arguments (`TVOPDConfig`) nor model arguments (TRL's
+    `ModelConfig`, parsed beside them as in TRL's scripts: the student's `model_name_or_path`, its `dtype`,
+    `attn_implementation` and `model_revision`, LoRA and quantization; see `apply_model_config`).
+
+    The student defaults to the embedded tiny student. The teacher is the config's `teacher_model_name_or_path`,
+    defaulting to the embedded tiny teacher, or the server at the config's `teacher_model_server_url` (then
+    `teacher_model_name_or_path`, if set, only names its tokenizer). Several teachers are a mapping `{name: path}` there
+    (a JSON object on the command line), each prompt routed by the dataset's `teacher_id` column
+    (docs/multi-teacher.md).
 
     Parameters:
         > Parameters that control the models and the data
@@ -159,7 +167,9 @@ class JobParser(RecipeParser):
     - without `--config`, and without a model, teacher or dataset of its own, the job runs the embedded default, the
       packaged `tiny/tvopd` recipe (flags still override it);
     - the precision follows the machine: bf16 where transformers accepts it (a bf16-capable GPU), float32 elsewhere,
-      instead of TRL's bf16, which transformers refuses on a CPU. A recipe's `bf16` or a flag wins.
+      instead of TRL's bf16, which transformers refuses on a CPU. A recipe's `bf16` or a flag wins;
+    - `ModelConfig`'s `dtype` is unset instead of float32: the student then loads in float32 (the trainer's default)
+      and each teacher as `teacher_model_init_kwargs` says, its checkpoint's dtype by default. `--dtype` loads both.
     """
 
     def __init__(self, dataclass_types, **kwargs):
@@ -171,7 +181,16 @@ class JobParser(RecipeParser):
             bf16=is_torch_bf16_gpu_available(),
             # Pinned memory needs an accelerator: without one, torch pins nothing and warns that it does not.
             dataloader_pin_memory=torch.accelerator.is_available(),
+            dtype=None,
         )
+        # TRL's help for these describes its own scripts' defaults, not the job's.
+        helps = {
+            "model_name_or_path": "Student id or path (default: the embedded tiny student).",
+            "dtype": "Load the student and the teachers in this dtype (default: the student in float32, a teacher as "
+            "teacher_model_init_kwargs says, else in its checkpoint's dtype).",
+        }
+        for action in self._actions:
+            action.help = helps.get(action.dest, action.help)
 
     def parse_args_and_config(self, args=None, **kwargs):
         args = list(sys.argv[1:] if args is None else args)
@@ -181,11 +200,31 @@ class JobParser(RecipeParser):
 
 
 def job_parser(*dataclass_types, prog=None):
-    """The parser of the main job's recipe and flags (`MainJobArguments`, `TVOPDConfig`), after a command's own
-    `dataclass_types`."""
+    """The parser of the main job's recipe and flags (`MainJobArguments`, `TVOPDConfig`, TRL's `ModelConfig`), after a
+    command's own `dataclass_types`."""
     from .config import TVOPDConfig
 
-    return JobParser((*dataclass_types, MainJobArguments, TVOPDConfig), prog=prog)
+    return JobParser((*dataclass_types, MainJobArguments, TVOPDConfig, ModelConfig), prog=prog)
+
+
+def apply_model_config(model_args, training_args):
+    """TRL's `ModelConfig` applied as TRL's distillation script applies it: `dtype`, `attn_implementation` and
+    `model_revision` go into the config's `model_init_kwargs`, and `dtype` and `attn_implementation` into
+    `teacher_model_init_kwargs` too, where a recipe's own keys win. Returns the trainer's `peft_config` (`use_peft`,
+    `lora_*`) and `quantization_config` (`load_in_4bit`, `load_in_8bit`) arguments."""
+    from trl import get_peft_config, get_quantization_config
+
+    # Only what was set: an unset `dtype` keeps each model's default (see `JobParser`).
+    shared = {"dtype": model_args.dtype, "attn_implementation": model_args.attn_implementation}
+    shared = {key: value for key, value in shared.items() if value is not None}
+    student = dict(shared)
+    if model_args.model_revision != "main":  # ModelConfig's default, the Hub's too
+        student["revision"] = model_args.model_revision
+    if student:
+        training_args.model_init_kwargs = {**student, **(training_args.model_init_kwargs or {})}
+    if shared:
+        training_args.teacher_model_init_kwargs = {**shared, **(training_args.teacher_model_init_kwargs or {})}
+    return {"peft_config": get_peft_config(model_args), "quantization_config": get_quantization_config(model_args)}
 
 
 def _load_dataset(name, config, split):
@@ -215,7 +254,7 @@ def check_model_source(name, what):
         ) from None
 
 
-def load_job(job_args, training_args):
+def load_job(job_args, training_args, model_args):
     """The job's student and teacher paths (the teacher's is None when only served, a mapping by name with several), the
     student's tokenizer and the prompt dataset."""
     from . import tiny
@@ -230,7 +269,7 @@ def load_job(job_args, training_args):
         family = {"student": paths["student"], "teachers": paths["teacher"]}
     else:
         family = {"student": tiny.student_path(), "teachers": tiny.teacher_path()}
-    student_path = job_args.model_name_or_path or family["student"]
+    student_path = model_args.model_name_or_path or family["student"]
     if job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
@@ -243,7 +282,9 @@ def load_job(job_args, training_args):
     elif teacher_path is not None:
         check_model_source(teacher_path, "`teacher_model_name_or_path`")
     remote_code = training_args.trust_remote_code  # False unless the user sets it
-    tokenizer = AutoTokenizer.from_pretrained(student_path, padding_side="left", trust_remote_code=remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        student_path, revision=model_args.model_revision, padding_side="left", trust_remote_code=remote_code
+    )
     if job_args.dataset_name is None:
         if task == "multi_teacher":
             train_dataset = tiny.multi_skill_prompt_dataset("opd")
@@ -300,11 +341,11 @@ class Accuracy:
         return sum(scores.values()) / len(scores)
 
 
-def check_job_arguments(job_args, training_args):
+def check_job_arguments(job_args, training_args, model_args):
     """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse), and
     the embedded benchmark for a custom model or dataset."""
     # A teacher server may serve the embedded teacher, so it can go with the embedded student.
-    student_named = job_args.model_name_or_path is not None
+    student_named = model_args.model_name_or_path is not None
     teacher_named = training_args.teacher_model_name_or_path is not None
     if (student_named and not (teacher_named or training_args.teacher_model_server_url)) or (
         teacher_named and not student_named
@@ -329,7 +370,7 @@ def check_job_arguments(job_args, training_args):
             )
         if teacher_named or training_args.teacher_model_server_url:
             raise ValueError("`embedded_teacher` picks the embedded family's teacher: drop it, or your own teacher.")
-    custom = job_args.model_name_or_path is not None or job_args.dataset_name is not None
+    custom = student_named or job_args.dataset_name is not None
     if custom and job_args.eval_problems > 0 and job_args.eval_benchmark == "tiny":
         raise ValueError(
             "With your own model or dataset, set `eval_benchmark` (e.g. `math500`, or a JSONL "

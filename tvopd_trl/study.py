@@ -325,17 +325,23 @@ def first_batch_delta(study):
 
     from .advantages import LOG_FLOAT32_TINY, token_delta
     from .doctor import rollouts
-    from .job import job_parser, load_job
+    from .job import apply_model_config, job_parser, load_job
     from .trainer import TVOPDTrainer
 
     with tempfile.TemporaryDirectory() as output_dir:
         flags = _flags({**grid(study)[0].settings, "output_dir": output_dir, "report_to": "none"})
-        job_args, training_args = job_parser().parse_args_and_config(
+        job_args, training_args, model_args = job_parser().parse_args_and_config(
             args=["--config", study.recipe, *flags], fail_with_unknown_args=False
-        )[:2]
-        student, teacher, tokenizer, dataset = load_job(job_args, training_args)
+        )[:3]
+        student, teacher, tokenizer, dataset = load_job(job_args, training_args, model_args)
+        options = apply_model_config(model_args, training_args)
         trainer = TVOPDTrainer(
-            model=student, teacher_model=teacher, args=training_args, train_dataset=dataset, processing_class=tokenizer
+            model=student,
+            teacher_model=teacher,
+            args=training_args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            **options,
         )
         rollout = rollouts(trainer, next(iter(trainer.get_train_dataloader())))
     delta, active = token_delta(rollout["teacher_logps"], rollout["old_logps"], rollout["active"])

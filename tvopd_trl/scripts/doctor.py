@@ -66,13 +66,14 @@ def run(argv=None):
     from ..doctor import FAIL, diagnose
     from ..job import check_launch_options
 
-    doctor_args, job_args, training_args, remaining = make_parser(prog="tvopd-trl doctor").parse_args_and_config(
-        args=argv, return_remaining_strings=True
-    )
+    doctor_args, job_args, training_args, model_args, remaining = make_parser(
+        prog="tvopd-trl doctor"
+    ).parse_args_and_config(args=argv, return_remaining_strings=True)
     check_launch_options(remaining)  # a recipe's `accelerate launch` keys are fine; a typo is not
     checks = diagnose(
         job_args,
         training_args,
+        model_args,
         num_prompts=doctor_args.doctor_prompts,
         max_completion_length=doctor_args.doctor_max_completion_length,
         tolerance=doctor_args.doctor_tolerance,

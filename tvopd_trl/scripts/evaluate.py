@@ -44,7 +44,8 @@ class EvalArguments:
 
         model (`str`):
             Model id or path, or a run directory: then every `checkpoint-<N>` in it is evaluated into
-            `<run>/eval/mean@<k>/step-<N>/`, skipping the benchmarks already evaluated there.
+            `<run>/eval/mean@<k>/step-<N>/`, skipping the benchmarks already evaluated there. A LoRA adapter's folder
+            (a `--use_peft` run's) is evaluated on the base model its `adapter_config.json` names, merged into it.
         benchmarks (`str`, *optional*, defaults to the paper's six):
             Comma-separated benchmark names (`tvopd_trl.eval.BENCHMARKS`) or JSONL files with `id`, `problem`,
             `answer`.
@@ -129,12 +130,19 @@ def _generator(args, model_path):
 
     check_model_source(model_path, "--model")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    adapter = os.path.isfile(os.path.join(model_path, "adapter_config.json"))
     backend = args.backend
     if backend == "auto":
         import importlib.util
 
-        backend = "vllm" if importlib.util.find_spec("vllm") and torch.cuda.is_available() else "transformers"
+        vllm = importlib.util.find_spec("vllm") and torch.cuda.is_available() and not adapter
+        backend = "vllm" if vllm else "transformers"
     if backend == "vllm":
+        if adapter:
+            raise ValueError(
+                f"{model_path} is a LoRA adapter, which the vllm backend does not load: evaluate it with `--backend "
+                "transformers`, or merge it into its base model first (peft's `merge_and_unload`) and save that."
+            )
         return VLLMGenerator(
             model_path,
             tokenizer,
@@ -145,7 +153,13 @@ def _generator(args, model_path):
         )
     if backend != "transformers":
         raise ValueError(f"`backend` must be 'auto', 'transformers' or 'vllm' (got {backend!r}).")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
+    if adapter:
+        from peft import AutoPeftModelForCausalLM
+
+        # Merged, generation runs at the base model's speed.
+        model = AutoPeftModelForCausalLM.from_pretrained(model_path, dtype=args.dtype).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
     return TransformersGenerator(model.to("cuda" if torch.cuda.is_available() else "cpu"), tokenizer, args.batch_size)
 
 
@@ -184,7 +198,7 @@ def main(args):
     if (
         os.path.isdir(args.model)
         and not run_checkpoints
-        and not os.path.isfile(os.path.join(args.model, "config.json"))
+        and not any(os.path.isfile(os.path.join(args.model, name)) for name in ("config.json", "adapter_config.json"))
     ):
         raise ValueError(
             f"{args.model} is neither a model (no config.json) nor a run directory (no checkpoint-<N> folders): "

@@ -39,6 +39,7 @@ from ..eval.selection import gap_closed
 from ..job import (
     Accuracy,
     MainJobArguments,  # noqa: F401  (moved to `tvopd_trl.job`; this import keeps working)
+    apply_model_config,
     check_job_arguments,
     check_launch_options,
     job_parser,
@@ -46,7 +47,7 @@ from ..job import (
 )
 
 
-def main(job_args, training_args):
+def main(job_args, training_args, model_args):
     from accelerate import PartialState
     from rich.console import Console
 
@@ -57,9 +58,9 @@ def main(job_args, training_args):
 
     start = time.perf_counter()
     state = PartialState()
-    check_job_arguments(job_args, training_args)
+    check_job_arguments(job_args, training_args, model_args)
     servers = training_args.teacher_model_server_url
-    student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args)
+    student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args, model_args)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
     local_teachers = teacher_sources = teacher_path
     if servers is not None:
@@ -68,7 +69,9 @@ def main(job_args, training_args):
         local_teachers = {name: path for name, path in teacher_path.items() if name not in servers} if mixed else None
         teacher_sources = {**local_teachers, **servers} if local_teachers else servers
 
-    # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`.
+    # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`,
+    # where the model arguments (`--dtype`, ...) go, and wraps the student in LoRA with `--use_peft`.
+    model_options = apply_model_config(model_args, training_args)
     trainer = TVOPDTrainer(
         model=student_path,
         teacher_model=local_teachers or None,
@@ -76,6 +79,7 @@ def main(job_args, training_args):
         train_dataset=train_dataset,
         processing_class=tokenizer,
         teacher_processing_class=_teacher_tokenizers(teacher_path, training_args.trust_remote_code),
+        **model_options,
     )
     trainer.dataset_name = job_args.dataset_name  # for the model card
     curve = None
@@ -279,9 +283,11 @@ def make_parser(prog=None):
 
 def run(argv=None):
     parser = make_parser(prog="tvopd-trl train")
-    job_args, training_args, remaining = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    job_args, training_args, model_args, remaining = parser.parse_args_and_config(
+        args=argv, return_remaining_strings=True
+    )
     check_launch_options(remaining)  # `accelerate launch` settings in a recipe are for `tvopd-trl train`
-    main(job_args, training_args)
+    main(job_args, training_args, model_args)
     return 0
 
 
