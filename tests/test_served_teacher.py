@@ -8,6 +8,7 @@ TRL's own `VLLMClient` makes the requests; only its "is vLLM installed" gate is 
 
 import json
 import math
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tvopd_trl.served_teacher import MAX_CHUNK_ROWS
 from tvopd_trl.testing import tiny_config
 
 
@@ -68,6 +70,40 @@ class _VLLMStandIn(BaseHTTPRequestHandler):
                 entries[-2][str(sequence[-2])]["logprob"] = math.nan
             choices.append({"text": "", "prompt_logprobs": entries})
         self._reply({"choices": choices})
+
+
+class _EngineDied(_VLLMStandIn):
+    """A vLLM server whose engine died: it accepts connections and answers every request with a 503."""
+
+    def do_GET(self):
+        self._reply({"error": "the engine died"}, status=503)
+
+
+def black_hole():
+    """A listening socket that accepts connections (the kernel's backlog does) and never answers, and its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def finishes_within(seconds, function, *args, **kwargs):
+    """`function(*args, **kwargs)`, run on a daemon thread so that a hang fails the test instead of holding it."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = function(*args, **kwargs)
+        except Exception as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 @pytest.fixture
@@ -158,6 +194,25 @@ def test_training_with_a_served_teacher(make_trainer, teacher_server, tmp_path, 
     assert len(_VLLMStandIn.requests) == 3  # one prefill request per rollout batch
 
 
+def test_the_request_settings_reach_the_teacher_pool(make_trainer, teacher_server, tmp_path, tokenizer):
+    trainer = served_trainer(
+        make_trainer,
+        teacher_server,
+        tmp_path,
+        tokenizer,
+        teacher_model_server_request_timeout=7.0,
+        teacher_model_server_retries=1,
+        teacher_model_server_chunk_rows=3,
+        teacher_model_server_max_in_flight=1,
+    )
+    pool = trainer.teachers["teacher"].client
+    assert (pool.request_timeout, pool.retries, pool.chunk_rows, pool.max_in_flight) == (7.0, 1, 3, 1)
+    trainer.model.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    sizes = [len(request["prompt"]) for request in _VLLMStandIn.requests]
+    assert max(sizes) == 3 and sum(sizes) == batch["completion_ids"].size(0)
+
+
 def test_evaluation_requests_are_logged_as_evaluation_metrics(make_trainer, teacher_server, tmp_path, tokenizer):
     from tvopd_trl.tiny import prompt_dataset
 
@@ -193,12 +248,33 @@ def test_an_unreachable_server_fails_before_any_model_loads(monkeypatch, tmp_pat
     with pytest.raises(ConnectionError, match=r"The rollout server \(vllm_server_base_url\) at http://127.0.0.1:9"):
         TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=args)
 
+    # A server that accepts the connection and never answers, or whose engine died (503), fails by the deadline too:
+    # TRL's health check has no request timeout, and asks again forever on an error status
+    dead = ThreadingHTTPServer(("127.0.0.1", 0), _EngineDied)
+    threading.Thread(target=dead.serve_forever, daemon=True).start()
+    hole, silent = black_hole()
+    for url in (silent, f"http://127.0.0.1:{dead.server_address[1]}"):
+        args = tiny_config(tmp_path, teacher_model_server_url=url, teacher_model_server_timeout=1)
+        with pytest.raises(ConnectionError, match=rf"The teacher server .* at {url} did not answer within 1 s"):
+            finishes_within(15, TVOPDTrainer, model="does/not/exist", args=args)
+        args = tiny_config(
+            tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=1
+        )
+        with pytest.raises(ConnectionError, match=rf"The rollout server \(vllm_server_base_url\) at {url} did not"):
+            finishes_within(15, TVOPDTrainer, model="does/not/exist", teacher_model="also/missing", args=args)
+    dead.shutdown()
+    hole.close()
+
 
 def test_served_teacher_bad_configurations(tmp_path, model_dirs):
     from tvopd_trl import TVOPDTrainer
 
     with pytest.raises(ValueError, match="full next-token distribution"):
         tiny_config(tmp_path, teacher_model_server_url="http://x", advantage_mode="vopd")
+    with pytest.raises(ValueError, match="teacher_model_server_chunk_rows must be >= 1, got 0"):
+        tiny_config(tmp_path, teacher_model_server_url="http://x", teacher_model_server_chunk_rows=0)
+    with pytest.raises(ValueError, match="teacher_model_server_request_timeout must be > 0"):
+        tiny_config(tmp_path, teacher_model_server_url="http://x", teacher_model_server_request_timeout=0)
     args = tiny_config(tmp_path, teacher_model_server_url="http://127.0.0.1:9")
     with pytest.raises(ValueError, match="not both"):
         TVOPDTrainer(model="does/not/exist", teacher_model=model_dirs["teacher"], args=args)
@@ -223,7 +299,9 @@ def test_main_job_with_a_served_teacher(teacher_server, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["teacher"] == teacher_server and summary["steps"] == 3
     assert "teacher_accuracy" not in summary and summary["gap_closed"] is None  # no local teacher to evaluate
-    assert len(_VLLMStandIn.requests) == 3
+    # Each rollout's 128 rows, in chunks of at most MAX_CHUNK_ROWS
+    sizes = [len(request["prompt"]) for request in _VLLMStandIn.requests]
+    assert sum(sizes) == 3 * 128 and max(sizes) == MAX_CHUNK_ROWS
 
 
 def test_main_job_with_a_local_and_a_served_teacher(teacher_server, tmp_path):

@@ -13,12 +13,13 @@
 # limitations under the License.
 """What [`TVOPDTrainer`] checks at construction.
 
-Bad input is refused before any model loads wherever it can be (`check_inputs`, `connect_server`,
+Bad input is refused before any model loads wherever it can be (`check_inputs`, `wait_for_server`,
 `check_paths`, `load_tokenizer`), with an error that names the fix; what can only be checked on the loaded models comes after
 (`check_loaded_trainer`), with warnings for settings that break the estimator's assumptions.
 """
 
 import os
+import time
 import warnings
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
@@ -144,18 +145,53 @@ def _check_batch_layout(args, train_dataset):
         )
 
 
-def connect_server(url, timeout, what):
-    """TRL's client of the vLLM server at `url`, once its health check answered; a `ConnectionError` naming the fix
-    otherwise."""
-    from trl.generation.vllm_client import VLLMClient
+def probe_server(url, request_timeout):
+    """Raises a `requests` exception unless the vLLM server at `url` answers its health check with 200 within
+    `request_timeout` seconds."""
+    import requests
 
-    try:
-        return VLLMClient(base_url=url, connection_timeout=timeout)
-    except OSError as error:  # requests' connection errors, raised by the client's health check
-        raise ConnectionError(
-            f"{what[0].upper()}{what[1:]} at {url} did not answer within {timeout} s. Start it first (e.g. `trl "
-            "vllm-serve --model <model>`) or fix the URL; the matching `..._timeout` setting sets how long to wait."
-        ) from error
+    requests.get(f"{url.rstrip('/')}/health", timeout=request_timeout).raise_for_status()
+
+
+def server_unreachable(url, timeout, what):
+    """The `ConnectionError` for a vLLM server that did not answer its health check in time, naming the fix."""
+    return ConnectionError(
+        f"{what[0].upper()}{what[1:]} at {url} did not answer within {timeout} s. Start it first (e.g. `trl "
+        "vllm-serve --model <model>`) or fix the URL; the matching `..._timeout` setting sets how long to wait."
+    )
+
+
+def wait_for_server(url, timeout, what):
+    """Returns once the vLLM server at `url` answers its health check, asked every 2 s for `timeout` seconds (at least
+    once); raises [`server_unreachable`]'s error otherwise. Not TRL's `check_server`: its request has no timeout, so a
+    server that accepts the connection and never answers holds it forever, and it asks again forever, whatever its
+    deadline, while the server answers with an error status (a vLLM server whose engine died answers 503)."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            # A deadline nearly spent (or 0) still leaves the server a second to answer
+            return probe_server(url, max(deadline - time.monotonic(), 1.0))
+        except requests.exceptions.RequestException as error:
+            if time.monotonic() + 2.0 >= deadline:
+                raise server_unreachable(url, timeout, what) from error
+        time.sleep(2.0)
+
+
+def check_teacher_pools(args, pools):
+    """A teacher server that stops answering must fail the step before the other processes give up waiting for it:
+    they wait in a collective for up to `ddp_timeout` seconds, and then kill the run without naming the teacher."""
+    for pool in pools.values():
+        if args.world_size > 1 and pool.give_up_seconds > args.ddp_timeout:
+            warnings.warn(
+                f"{pool.what[0].upper()}{pool.what[1:]} can take {pool.give_up_seconds:g} s to give up on a chunk "
+                f"((teacher_model_server_retries + 1) x teacher_model_server_request_timeout, plus {pool.backoff:g} s "
+                f"of backoff doubling with each retry), longer than ddp_timeout={args.ddp_timeout} s: if it stops "
+                "answering, the other processes' collective times out first and the run dies without naming the "
+                "teacher. Lower those two settings or raise ddp_timeout.",
+                stacklevel=3,
+            )
 
 
 def load_tokenizer(source, trust_remote_code):

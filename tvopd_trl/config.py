@@ -153,6 +153,25 @@ class TVOPDConfig(DistillationConfig):
         teacher_model_server_timeout (`float`, *optional*, defaults to `240.0`):
             Seconds to wait for the teacher server (each replica of a pool, all at once) to answer its health check
             before training fails, or, with a pool, starts without the replicas that did not answer.
+        teacher_model_server_request_timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds one scoring request (a chunk of `teacher_model_server_chunk_rows` rows) may take before it counts
+            as failed and is retried, after a backoff of 1 s doubling with each retry, on another replica where there
+            is one. A read timeout is no exception, even on the only replica: the chunk waits its backoff before it goes
+            back, and holds its slot meanwhile. A server that is healthy but slower than this per chunk needs a longer
+            timeout or smaller chunks, not retries.
+        teacher_model_server_retries (`int`, *optional*, defaults to `4`):
+            Retries of a chunk before the step fails with a `ConnectionError` naming every replica. A server that stops
+            answering fails the step within (retries + 1) x `teacher_model_server_request_timeout` plus 2^retries - 1
+            seconds of backoff (1515 s with the defaults). With several processes, keep that below `ddp_timeout` (1800
+            s by default), or the others, waiting in a collective, time out first and the run dies without naming the
+            teacher: the trainer warns when it is not.
+        teacher_model_server_chunk_rows (`int`, *optional*):
+            Rows of a process's rollout per scoring request. By default at most 32, so that one request's work, and so
+            its timeout, does not grow with the rollout, and at least 4 chunks per replica of a pool, so that a slow
+            replica's share can move.
+        teacher_model_server_max_in_flight (`int`, *optional*, defaults to `2`):
+            Scoring requests in flight per replica from each training process (P processes put up to P times this on
+            each replica, which vLLM batches together).
 
     > [!NOTE]
     > These parameters have default values different from [`~trl.DistillationConfig`]:
@@ -279,6 +298,21 @@ class TVOPDConfig(DistillationConfig):
     teacher_model_server_timeout: float = field(
         default=240.0, metadata={"help": "Seconds to wait for the teacher server's health check."}
     )
+    teacher_model_server_request_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds a scoring request to the teacher server may take before a retry."}
+    )
+    teacher_model_server_retries: int = field(
+        default=4, metadata={"help": "Retries of a teacher scoring request before the step fails."}
+    )
+    teacher_model_server_chunk_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rows per teacher scoring request; unset, at most 32, and at least 4 chunks per replica of a pool."
+        },
+    )
+    teacher_model_server_max_in_flight: int = field(
+        default=2, metadata={"help": "Teacher scoring requests in flight per replica from each process."}
+    )
 
     def __getstate__(self):
         # transformers pickles the config into every checkpoint's `training_args.bin` and uploads that file with
@@ -344,6 +378,14 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
         if self.vllm_importance_sampling_cap <= 0:
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
+        if self.teacher_model_server_request_timeout <= 0 or self.teacher_model_server_retries < 0:
+            raise ValueError(
+                "teacher_model_server_request_timeout must be > 0 and teacher_model_server_retries >= 0, got "
+                f"{self.teacher_model_server_request_timeout} and {self.teacher_model_server_retries}."
+            )
+        for name in ("teacher_model_server_chunk_rows", "teacher_model_server_max_in_flight"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.teacher_model_server_url is not None and (spec.needs_exact_divergence or self.log_exact_tv):
             raise ValueError(
                 f"advantage_mode={mode!r} and log_exact_tv=True need the teacher's full next-token distribution, which a "
