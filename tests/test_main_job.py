@@ -63,7 +63,7 @@ def test_every_tiny_recipe_parses_into_its_mode():
         modes[recipe.stem] = training_args.advantage_mode
     expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
     long = {f"long_{name}": mode for name, mode in LONG_MODES.items()}
-    assert modes == {**expected, "multi_teacher": "tv", **long}
+    assert modes == {**expected, "multi_teacher": "tv", "vllm_server": "tv", **long}
 
 
 def test_console_command_launches_through_accelerate(tmp_path):

@@ -17,11 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from tvopd_trl.served_teacher import connect_teacher_pool
-from tvopd_trl.testing import tiny_config
+from tvopd_trl.testing import LocalVLLMServer, free_port, tiny_config
 from tvopd_trl.tiny import multi_skill_prompt_dataset, prompt_dataset, vllm_paths
 from tvopd_trl.trainer import TVOPDTrainer
-
-from .vllm_server import VLLMServer
 
 
 pytestmark = [
@@ -45,12 +43,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Started once per module, all at once (each takes ~30 s to come up): `{name: VLLMServer}`."""
+    """Started once per module, all at once (each takes ~30 s to come up): `{name: LocalVLLMServer}`."""
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     started = {
-        "teacher": VLLMServer(PAIR["teacher"], log_dir),
-        "teacher_replica": VLLMServer(PAIR["teacher"], log_dir),
-        "student": VLLMServer(PAIR["student"], log_dir),
+        "teacher": LocalVLLMServer(PAIR["teacher"], log_dir),
+        "student": LocalVLLMServer(PAIR["student"], log_dir),
     }
     try:
         yield {name: server.wait_ready() for name, server in started.items()}
@@ -104,7 +101,7 @@ def test_served_teacher_scores_like_the_local_teacher(servers, tokenizer, tmp_pa
 
 def test_a_pool_of_real_servers_loses_a_replica_mid_run_with_the_same_numbers(servers, tokenizer, tmp_path):
     _, local_logs = run(tmp_path / "local", tokenizer)
-    replica = VLLMServer(PAIR["teacher"], str(tmp_path)).wait_ready()
+    replica = LocalVLLMServer(PAIR["teacher"], str(tmp_path)).wait_ready()
 
     class KillReplica(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -214,8 +211,6 @@ def test_the_main_job_with_server_rollouts_closes_half_the_gap(servers, tmp_path
 
 
 def test_colocate_mode_in_one_process(tokenizer, tmp_path, monkeypatch):
-    from .vllm_server import free_port
-
     # The colocated engine's process group (world size 1) needs a free rendezvous port
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -249,7 +244,7 @@ def padded_student(tmp_path, tokenizer):
     path = tmp_path / "padded"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    server = VLLMServer(str(path), str(tmp_path)).wait_ready()
+    server = LocalVLLMServer(str(path), str(tmp_path)).wait_ready()
     yield str(path), server
     server.stop()
 
@@ -313,7 +308,9 @@ def test_scores_depend_on_the_batch_only_within_float_tolerance(servers, tokeniz
     pool = connect_teacher_pool(servers["teacher"].url, 30, "the teacher server")
     rows = prompt_dataset("opd", 8).to_list()
     ids = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
-    completion = tokenizer(["\\boxed{" + row["answer"] + "}<|im_end|>" for row in rows], padding=True, padding_side="right")
+    completion = tokenizer(
+        ["\\boxed{" + row["answer"] + "}<|im_end|>" for row in rows], padding=True, padding_side="right"
+    )
     batch = {
         "prompt_ids": torch.tensor(ids),
         "prompt_mask": torch.ones(len(ids), len(ids[0]), dtype=torch.long),

