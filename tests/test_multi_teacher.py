@@ -3,12 +3,13 @@
 import copy
 import itertools
 import math
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from tvopd_trl import TVOPDTrainer
+from tvopd_trl import TVOPDTrainer, TVScheduleCallback
 from tvopd_trl.advantages import ADVANTAGE_MODES
 from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import prompt_dataset
@@ -261,6 +262,19 @@ def test_a_rarely_routed_teachers_reference_pools_several_rollouts(make_trainer,
                 assert entry[f"tv/{name}/scale"] == 1.0, (name, k)
         assert logs[fixed][f"tv/{name}/reference"] == pytest.approx(reference)
     assert fixed_at["self"] >= 2 > fixed_at["wide"]  # "self" needed at least 3 rollouts
+
+
+def test_a_checkpoint_from_before_the_minimum_resumes_as_it_ran():
+    # An earlier version's callback state has no `reference_min_tokens`: its teachers keep the first-rollout rule
+    saved = {"wide": {"ema": 0.2, "reference": 0.3, "num_updates": 1}, "self": None}
+    callback = TVScheduleCallback(teacher_states=saved)
+    assert [s.reference_min_tokens for s in callback.teacher_schedulers.values()] == [0, 0]
+    callback.teacher_schedulers["self"].update(1.0, 10)
+    assert callback.teacher_schedulers["self"].reference == 0.1
+    stored = r"tv_reference_min_tokens\) = \(0\.5, 0\.95, 0\.1, 1e-05, 0\), but the config"
+    with pytest.warns(UserWarning, match=stored):
+        callback.on_train_begin(types.SimpleNamespace(tv_reference_min_tokens=1000), None, None)
+    assert "reference_min_tokens" in callback.state()["args"]
 
 
 @pytest.mark.parametrize("mode", ADVANTAGE_MODES)
