@@ -71,7 +71,7 @@ def run(tmp_path, tokenizer, prompts=32, callbacks=(), teacher=PAIR["teacher"], 
         callbacks=list(callbacks),
     )
     trainer.train()
-    return trainer, [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    return trainer, [entry for entry in trainer.state.log_history if "tv/estimate" in entry]
 
 
 def prompt_ids(tokenizer, messages):
@@ -285,20 +285,30 @@ def test_padded_ids_are_never_sampled_by_vllm(padded_student, tokenizer, tmp_pat
 
 
 def test_several_teachers_each_served_by_its_own_server(servers, tokenizer, tmp_path):
-    # Two teachers of different skill: the vLLM-ready teacher and, as a weak one, the student's own weights.
-    teachers = {"addition": PAIR["teacher"], "subtraction": PAIR["student"]}
+    # Two teachers of different skill: the vLLM-ready teacher and a weaker one halfway between it and the student (not
+    # the student itself: its delta would be exactly 0 in process, and the sign of the server's last bits elsewhere).
+    halfway = AutoModelForCausalLM.from_pretrained(PAIR["student"], dtype=torch.float32)
+    teacher_state = AutoModelForCausalLM.from_pretrained(PAIR["teacher"], dtype=torch.float32).state_dict()
+    halfway.load_state_dict({name: (value + teacher_state[name]) / 2 for name, value in halfway.state_dict().items()})
+    halfway.save_pretrained(tmp_path / "halfway")
+    tokenizer.save_pretrained(tmp_path / "halfway")
+    teachers = {"addition": PAIR["teacher"], "subtraction": str(tmp_path / "halfway")}
+    halfway_server = LocalVLLMServer(teachers["subtraction"], str(tmp_path)).wait_ready()
     prompts = multi_skill_prompt_dataset("opd").select(range(32))
-    overrides = dict(tv_scale_per_teacher=True)
-    metrics = [f"tv/{name}/{metric}" for name in teachers for metric in ("estimate", "ema", "scale")]
+    overrides = dict(tv_scale_per_teacher=True, tv_reference_min_tokens=1)
+    metrics = [f"tv/{name}/{metric}" for name in teachers for metric in ("estimate", "ema", "reference", "scale")]
 
-    _, local_logs = run(tmp_path / "local", tokenizer, prompts=prompts, teacher=teachers, **overrides)
-    _, served_logs = run(
-        tmp_path / "served",
-        tokenizer,
-        prompts=prompts,
-        teacher_model_server_url={"addition": servers["teacher"].url, "subtraction": servers["student"].url},
-        **overrides,
-    )
+    try:
+        _, local_logs = run(tmp_path / "local", tokenizer, prompts=prompts, teacher=teachers, **overrides)
+        _, served_logs = run(
+            tmp_path / "served",
+            tokenizer,
+            prompts=prompts,
+            teacher_model_server_url={"addition": servers["teacher"].url, "subtraction": halfway_server.url},
+            **overrides,
+        )
+    finally:
+        halfway_server.stop()
     assert_same_metrics(served_logs, local_logs, metrics, 1e-5)
 
 
