@@ -4,8 +4,10 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -271,8 +273,10 @@ def test_transformers_generator_is_seeded_and_restores_the_model(tokenizer, mode
     tokenizer.padding_side = "left"
 
 
-def test_vllm_generator_requests_token_ids_and_n_samples(monkeypatch, tokenizer):
-    seen = {}
+def stand_in_vllm(monkeypatch, vocab_size):
+    """A stand-in `vllm` module (the real one runs in tests/test_vllm_eval.py) serving an output layer of `vocab_size`
+    rows: it records what it is asked, and each engine's liveness."""
+    seen = {"engines": []}
 
     class SamplingParams:
         def __init__(self, **kwargs):
@@ -281,6 +285,9 @@ def test_vllm_generator_requests_token_ids_and_n_samples(monkeypatch, tokenizer)
     class LLM:
         def __init__(self, model, **kwargs):
             seen["llm"] = (model, kwargs)
+            seen["engines"].append(weakref.ref(self))
+            config = types.SimpleNamespace(vocab_size=vocab_size)
+            self.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(get_text_config=lambda: config))
 
         def generate(self, requests, params):
             seen["requests"] = requests
@@ -292,14 +299,49 @@ def test_vllm_generator_requests_token_ids_and_n_samples(monkeypatch, tokenizer)
             ]
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    return seen
+
+
+def test_vllm_generator_requests_token_ids_and_n_samples(monkeypatch, tokenizer):
+    seen = stand_in_vllm(monkeypatch, len(tokenizer))
     generator = VLLMGenerator("some/model", tokenizer, tensor_parallel_size=2)
     prompts = [[{"role": "user", "content": "Compute 12 + 34."}], [{"role": "user", "content": "Compute 1 + 2."}]]
     responses = generator(prompts, SamplingSettings(k=3, max_new_tokens=100, seed=7))
     assert responses == [["0-0", "0-1", "0-2"], ["1-0", "1-1", "1-2"]]
     assert seen["llm"] == ("some/model", {"tensor_parallel_size": 2})
-    assert seen["params"] == dict(n=3, temperature=0.6, top_p=0.95, top_k=20, max_tokens=100, seed=7)
+    assert seen["params"] == dict(n=3, temperature=0.6, top_p=0.95, top_k=20, max_tokens=100, seed=7, logit_bias=None)
     text = tokenizer.apply_chat_template(prompts[0], tokenize=False, add_generation_prompt=True)
     assert seen["requests"][0] == {"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+    # vLLM refuses n > 1 at temperature 0: one greedy response, repeated
+    assert generator(prompts, SamplingSettings(k=3, temperature=0))[1] == ["1-0"] * 3 and seen["params"]["n"] == 1
+
+
+def test_vllm_generator_biases_padded_ids_away_and_closes_its_engine(monkeypatch, tokenizer):
+    seen = stand_in_vllm(monkeypatch, len(tokenizer) + 3)
+    generator = VLLMGenerator("some/model", tokenizer)
+    generator([[{"role": "user", "content": "Compute 1 + 2."}]], SamplingSettings(k=2))
+    assert seen["params"]["logit_bias"] == {len(tokenizer) + i: -100.0 for i in range(3)}
+    generator.close()
+    assert seen["engines"][0]() is None
+
+
+def test_cli_closes_each_checkpoints_vllm_engine_before_the_next(monkeypatch, model_dirs, tokenizer, tmp_path):
+    # Two engines would not fit: the first holds its memory share until it is shut down.
+    seen = stand_in_vllm(monkeypatch, len(tokenizer))
+    import vllm
+
+    build = vllm.LLM.__init__
+
+    def one_at_a_time(self, model, **kwargs):
+        assert not [engine for engine in seen["engines"] if engine() is not None]
+        build(self, model, **kwargs)
+
+    monkeypatch.setattr(vllm.LLM, "__init__", one_at_a_time)
+    for step in (1, 2):
+        shutil.copytree(model_dirs["student"], tmp_path / f"checkpoint-{step}")
+    argv = ["eval", "--model", str(tmp_path), "--benchmarks", "tiny", "--limit", "2", "--k", "1", "--backend", "vllm"]
+    assert cli_main([*argv, "--dtype", "float32", "--workers", "1"]) == 0
+    assert len(seen["engines"]) == 2 and seen["llm"][1]["dtype"] == "float32"  # `--dtype` reaches vLLM too
 
 
 def test_vllm_generator_without_vllm_says_what_to_install(monkeypatch, tokenizer):

@@ -14,6 +14,9 @@
 
 from transformers import PreTrainedTokenizerBase
 
+# In the evaluation module, the bottom layer, whose generators suppress the same ids
+from .eval.generation import padded_token_ids
+
 
 def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
     """
@@ -46,11 +49,6 @@ def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTraine
             "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Distill from a "
             "teacher of the same model family, or use TRL's GOLD trainer for cross-tokenizer distillation."
         )
-
-
-def padded_token_ids(model, tokenizer) -> range:
-    """The ids of `model`'s output layer that `tokenizer` does not define: its padded rows (empty when it has none)."""
-    return range(len(tokenizer), model.config.get_text_config().vocab_size)
 
 
 def restrict_sampling_to_tokenizer(trainer) -> None:

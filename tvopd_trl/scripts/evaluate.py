@@ -60,8 +60,8 @@ class EvalArguments:
         > Parameters that control generation
 
         backend (`str`, *optional*, defaults to `"auto"`):
-            `"transformers"` (batched `generate`), `"vllm"` (offline `LLM.generate`, unverified here), or `"auto"`:
-            vLLM when it is installed and a GPU is visible.
+            `"transformers"` (batched `generate`), `"vllm"` (offline `LLM.generate`), or `"auto"`: vLLM when it is
+            installed and a GPU is visible.
         k (`int`, *optional*, defaults to `16`):
             Samples per problem: the reported accuracy is mean@k.
         temperature, top_p, top_k, max_new_tokens, seed:
@@ -72,7 +72,8 @@ class EvalArguments:
         batch_size (`int`, *optional*, defaults to `64`):
             Sequences per `generate` call (transformers backend).
         dtype (`str`, *optional*, defaults to `"auto"`):
-            Weights dtype for the transformers backend.
+            Weights dtype, for both backends. `"auto"` is each backend's own choice: transformers keeps the
+            checkpoint's dtype, vLLM serves a float32 checkpoint in 16 bits.
         vllm_tensor_parallel_size, vllm_gpu_memory_utilization, vllm_max_model_len:
             Passed to `vllm.LLM`.
 
@@ -102,7 +103,7 @@ class EvalArguments:
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
     prompt_template: str | None = field(default=None, metadata={"help": "User turn with {problem}."})
     batch_size: int = field(default=64, metadata={"help": "Sequences per generate call (transformers)."})
-    dtype: str = field(default="auto", metadata={"help": "Weights dtype (transformers)."})
+    dtype: str = field(default="auto", metadata={"help": "Weights dtype (auto: vLLM serves float32 in 16 bits)."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallelism."})
     vllm_gpu_memory_utilization: float = field(default=0.9, metadata={"help": "vLLM GPU memory share."})
     vllm_max_model_len: int | None = field(default=None, metadata={"help": "vLLM context length."})
@@ -149,6 +150,7 @@ def _generator(args, model_path):
             tensor_parallel_size=args.vllm_tensor_parallel_size,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             max_model_len=args.vllm_max_model_len,
+            dtype=args.dtype,
             seed=args.seed,
         )
     if backend != "transformers":
@@ -245,6 +247,10 @@ def main(args):
             f.write(table)
         print(f"{model_path} -> {output_dir}\n{table}")
         all_results.append(results)
+        # Before the next checkpoint's engine starts: a vLLM engine holds its memory share until it is shut down, and
+        # the next one would not find that memory free.
+        if hasattr(generator, "close"):
+            generator.close()
     return all_results
 
 
