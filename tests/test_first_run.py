@@ -121,7 +121,9 @@ def test_pinned_memory_is_off_without_an_accelerator_unless_asked_for(
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: accelerator)
     parsed = []
-    monkeypatch.setattr(train, "main", lambda job_args, training_args: parsed.append(training_args))  # no training
+    monkeypatch.setattr(
+        train, "main", lambda job_args, training_args, model_args: parsed.append(training_args)
+    )  # no training
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.read_text() + (f"dataloader_pin_memory: {recipe_value}\n" if recipe_value else ""))
     assert train.run(["--config", str(recipe), "--output_dir", str(tmp_path), *flags]) == 0
