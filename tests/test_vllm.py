@@ -210,12 +210,11 @@ def test_the_main_job_with_server_rollouts_closes_half_the_gap(servers, tmp_path
     assert summary["gap_closed"] >= 0.5, summary
 
 
-def test_colocate_mode_in_one_process(tokenizer, tmp_path, monkeypatch):
-    # The colocated engine's process group (world size 1) needs a free rendezvous port
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    trainer, logs = run(
-        tmp_path,
+def colocate_logs(output_dir):
+    """The per-step logs of 3 steps with a vLLM engine colocated in the training process."""
+    tokenizer = AutoTokenizer.from_pretrained(PAIR["student"], padding_side="left")
+    _, logs = run(
+        output_dir,
         tokenizer,
         learning_rate=1e-2,
         use_vllm=True,
@@ -223,6 +222,25 @@ def test_colocate_mode_in_one_process(tokenizer, tmp_path, monkeypatch):
         vllm_gpu_memory_utilization=0.05,
         vllm_max_model_length=64,
     )
+    return logs
+
+
+def test_colocate_mode_in_one_process(tmp_path):
+    # In a process of its own: a colocated engine leaves torch.distributed and compiled graphs behind it, which break
+    # the next in-process engine (the evaluation's, tests/test_vllm_eval.py). Its process group needs a free port.
+    code = "import json, sys; from tests.test_vllm import colocate_logs; print(json.dumps(colocate_logs(sys.argv[1])))"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(logs) == 3
     # vLLM serves a float32 checkpoint in bf16 unless told otherwise (TRL's colocated engine is): a real mismatch,
     # which the importance weights correct. If the weights were not reloaded after each step (lr 1e-2), the gap
     # would grow by orders of magnitude.
