@@ -21,6 +21,8 @@ from tvopd_trl.testing import LocalVLLMServer, free_port, tiny_config
 from tvopd_trl.tiny import multi_skill_prompt_dataset, prompt_dataset, vllm_paths
 from tvopd_trl.trainer import TVOPDTrainer
 
+from .padded_student import save_padded_student
+
 
 pytestmark = [
     pytest.mark.vllm,
@@ -251,19 +253,10 @@ def test_colocate_mode_in_one_process(tmp_path):
 
 @pytest.fixture
 def padded_student(tmp_path, tokenizer):
-    """The vLLM-ready student with 20 padded output rows beyond its 300-token tokenizer, each a copy of the EOS row
-    scaled up: without a restriction, most sampled tokens would be padded ids."""
-    model = AutoModelForCausalLM.from_pretrained(PAIR["student"], dtype=torch.float32)
-    tokens = len(tokenizer)
-    model.resize_token_embeddings(tokens + 20, mean_resizing=False)
-    with torch.no_grad():
-        weight = model.get_output_embeddings().weight
-        weight[tokens:] = 3 * weight[tokenizer.eos_token_id]
-    path = tmp_path / "padded"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    server = LocalVLLMServer(str(path), str(tmp_path)).wait_ready()
-    yield str(path), server
+    """The vLLM-ready student with 20 padded output rows beyond its 300-token tokenizer (`save_padded_student`), served."""
+    path = save_padded_student(tokenizer, tmp_path / "padded")
+    server = LocalVLLMServer(path, str(tmp_path)).wait_ready()
+    yield path, server
     server.stop()
 
 

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tvopd_trl.eval import SamplingSettings, TransformersGenerator, VLLMGenerator, evaluate
 from tvopd_trl.tiny import vllm_paths
 
+from .padded_student import save_padded_student
+
 
 pytestmark = [
     pytest.mark.vllm,
@@ -116,17 +118,8 @@ def test_cli_evaluates_with_the_vllm_backend(tmp_path):
 
 
 def test_a_padded_output_layer_never_yields_a_padded_id(tokenizer, tmp_path):
-    # The student with 20 output rows beyond its tokenizer, each a copy of the EOS row scaled up: where EOS is likely
-    # (after the answer), a padded id is likelier still.
-    model = AutoModelForCausalLM.from_pretrained(PAIR["student"], dtype=torch.float32)
+    path = save_padded_student(tokenizer, tmp_path / "padded")
     tokens = len(tokenizer)
-    model.resize_token_embeddings(tokens + 20, mean_resizing=False)
-    with torch.no_grad():
-        weight = model.get_output_embeddings().weight
-        weight[tokens:] = 3 * weight[tokenizer.eos_token_id]
-    path = str(tmp_path / "padded")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
     from vllm import SamplingParams
 
