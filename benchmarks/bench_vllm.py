@@ -81,6 +81,7 @@ QUICK = dict(
     train_steps=3, train_completion=16, padded_completion=16, padded_repeats=2, agreement_tokens=16,
 )  # fmt: skip
 WARMUP_STEPS = 1
+VLLM_POLL_S = 1.5  # vLLM's workers poll for 1 s after each request before they sleep (see Clock)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -162,24 +163,27 @@ def loadavg():
 class Clock:
     """Wall seconds and CPU seconds (user + system, summed over the processes `pids` and all their descendants: this
     process, a server's process group) of a `with` block. Other workers share this machine: the wall time carries
-    their load, the CPU time mostly does not."""
+    their load, the CPU time much less. vLLM's workers keep polling for the next request for 1 s after each one
+    (`busy_loop_s` in `vllm.distributed.device_communicators.shm_broadcast`): with `tail`, the CPU time runs on for
+    `VLLM_POLL_S` past the block's end, so that a vLLM call is charged its own polling and what follows it starts on an
+    idle server."""
 
-    def __init__(self, *pids):
+    def __init__(self, *pids, tail=False):
         import psutil
 
-        self.roots = [psutil.Process(pid) for pid in pids]
+        self.roots, self.tail = [psutil.Process(pid) for pid in pids], tail
 
     def cpu(self):
         import psutil
 
+        processes = {p.pid: p for root in self.roots for p in [root, *root.children(recursive=True)]}
         total = 0.0
-        for root in self.roots:
-            for process in [root, *root.children(recursive=True)]:
-                try:
-                    times = process.cpu_times()
-                except psutil.NoSuchProcess:
-                    continue
-                total += times.user + times.system
+        for process in processes.values():
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
         return total
 
     def __enter__(self):
@@ -187,7 +191,10 @@ class Clock:
         return self
 
     def __exit__(self, *exc):
-        self.wall, self.cpu_seconds = time.perf_counter() - self.started, self.cpu() - self.cpu_started
+        self.wall = time.perf_counter() - self.started
+        if self.tail:
+            time.sleep(VLLM_POLL_S)
+        self.cpu_seconds = self.cpu() - self.cpu_started
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -246,7 +253,7 @@ def colocate_worker(job):
         times[tokens] = {"wall": [], "cpu": []}
         for repeat in range(job["repeats"] + 1):
             llm.reset_prefix_cache()
-            with Clock(os.getpid()) as clock:  # with the engine's own processes
+            with Clock(os.getpid(), tail=True) as clock:  # with the engine's own processes
                 outputs = llm.generate(prompts, params, use_tqdm=False)
             assert [len(o.outputs[0].token_ids) for o in outputs] == [tokens] * len(prompts)
             if repeat:  # the first is the warm-up
@@ -264,14 +271,18 @@ def measure_rollouts(name, path, tokenizer, prompts, config, cli, log_dir, keep_
     result = {"model": name, "path_config": config_summary(path), "server_startup_s": server.startup_s, "lengths": {}}
     last_rollout = None
     try:
-        vllm, clock = client(server), Clock(os.getpid(), server.process.pid)
+        vllm = client(server)
+        clocks = {
+            "transformers": Clock(os.getpid(), server.process.pid),
+            "vllm_server": Clock(os.getpid(), server.process.pid, tail=True),
+        }
         for tokens in config["lengths"]:
             print(f"[bench_vllm] rollouts: {name}, T={tokens}", file=sys.stderr, flush=True)
-            transformers_rollout(model, prompts, tokens, tokenizer.pad_token_id, clock)  # warm-up
-            _, out = server_rollout(vllm, prompts, tokens, clock)
-            times = {engine: {"wall": [], "cpu": []} for engine in ("transformers", "vllm_server")}
+            transformers_rollout(model, prompts, tokens, tokenizer.pad_token_id, clocks["transformers"])  # warm-up
+            _, out = server_rollout(vllm, prompts, tokens, clocks["vllm_server"])
+            times = {engine: {"wall": [], "cpu": []} for engine in clocks}
             for _ in range(config["repeats"]):
-                for engine in times:
+                for engine, clock in clocks.items():
                     if engine == "transformers":
                         transformers_rollout(model, prompts, tokens, tokenizer.pad_token_id, clock)
                     else:
@@ -436,7 +447,7 @@ def measure_padded(path, tokenizer, prompts, config, log_dir):
             shape: {name: {"seconds": [], "cpu_seconds": [], "padded_sampled": 0, "tokens": 0} for name in variants}
             for shape in shapes
         }
-        clock = Clock(os.getpid(), server.process.pid)
+        clock = Clock(os.getpid(), server.process.pid, tail=True)
         names = list(variants)
         for round_ in range(config["padded_repeats"] + 1):  # round 0 is the warm-up
             print(f"[bench_vllm] padded vocabulary: round {round_}", file=sys.stderr, flush=True)
@@ -446,6 +457,7 @@ def measure_padded(path, tokenizer, prompts, config, log_dir):
                     # An untimed one-token request first, so that no request pays for its predecessor's clean-up
                     vllm.generate(prompts[:1], max_tokens=1)
                     vllm.reset_prefix_cache()
+                    time.sleep(VLLM_POLL_S)
                     with clock:
                         out = vllm.generate(
                             batch, temperature=1.0, top_k=0, top_p=1.0, max_tokens=tokens, logprobs=0,
