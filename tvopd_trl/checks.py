@@ -86,6 +86,20 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model, ev
     return local, served
 
 
+def check_reward_setup(args, reward_funcs):
+    """The task reward's settings against the resolved reward functions (`TVOPDConfig` checks the rest)."""
+    if args.reward_coef > 0 and not reward_funcs:
+        raise ValueError(
+            f"reward_coef={args.reward_coef} weights a task reward, but no reward function is set: pass "
+            "`reward_funcs` (a callable or a registered name such as 'accuracy'), or set reward_coef=0."
+        )
+    if args.reward_weights is not None and len(args.reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(args.reward_weights)} weights for {len(reward_funcs)} reward functions: give one "
+            "weight per function."
+        )
+
+
 def check_paths(model, local_teachers):
     """`local_teachers`: `{name: model or path}`, as `teacher_sources` returns them."""
     roles = {"model": model}
@@ -131,16 +145,23 @@ def _check_batch_layout(args, train_dataset):
     rollout = (
         args.per_device_train_batch_size * processes * args.gradient_accumulation_steps * args.steps_per_generation
     )
+    if rollout % args.num_generations:
+        raise ValueError(
+            f"num_generations={args.num_generations} does not divide the rollout batch of {rollout} completions "
+            f"(per_device_train_batch_size {args.per_device_train_batch_size} x {processes} processes x "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps} x steps_per_generation "
+            f"{args.steps_per_generation}): each prompt's group of samples must fit in one rollout batch."
+        )
     if (
         train_dataset is not None
         and hasattr(train_dataset, "__len__")  # an iterable dataset has no size to check
-        and len(train_dataset) < rollout
+        and len(train_dataset) < rollout // args.num_generations
     ):
         raise ValueError(
-            f"One rollout batch takes {rollout} prompts (per_device_train_batch_size "
+            f"One rollout batch takes {rollout // args.num_generations} prompts (per_device_train_batch_size "
             f"{args.per_device_train_batch_size} x {processes} processes x gradient_accumulation_steps "
-            f"{args.gradient_accumulation_steps} x steps_per_generation {args.steps_per_generation}), but the "
-            f"dataset has {len(train_dataset)}: no batch would ever be drawn. Lower one of those factors or use "
+            f"{args.gradient_accumulation_steps} x steps_per_generation {args.steps_per_generation} / "
+            f"num_generations {args.num_generations}), but the dataset has {len(train_dataset)}: no batch would ever be drawn. Lower one of those factors or use "
             "more prompts."
         )
 

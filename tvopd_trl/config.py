@@ -117,6 +117,28 @@ class TVOPDConfig(DistillationConfig):
             micro-batches, it counts optimizer steps here: a rollout batch holds `per_device_train_batch_size *
             gradient_accumulation_steps * steps_per_generation` prompts per process.
 
+        > Parameters that control the task reward
+
+        reward_funcs (`list[str]`, *optional*):
+            Names of registered reward functions (`tvopd_trl.rewards.REWARD_FUNCS`: `accuracy`, math-verify against
+            the dataset's `solution` or `answer` column) scored on every rollout. The trainer's `reward_funcs` argument
+            takes callables with TRL GRPO's signature too, and wins over this field.
+        reward_weights (`list[float]`, *optional*):
+            Weight of each reward function in the summed reward, as in TRL GRPO. Defaults to 1 each.
+        reward_coef (`float`, *optional*, defaults to `0.0`):
+            alpha in A_t = A_distill_t + alpha * A_reward: the weight of the group-normalised sequence reward beside
+            the distillation coefficient. `0.0` trains on the teacher alone, exactly as without rewards (the rewards
+            are still scored and logged when `reward_funcs` is set). Needs `num_generations >= 2`.
+        distillation_coef (`float`, *optional*, defaults to `1.0`):
+            Weight of the distillation coefficient A_distill_t. `0.0` with `reward_coef > 0` trains on the reward
+            alone (GRPO with this loss); the teacher is still scored, and the TV estimate and c_k still logged.
+        num_generations (`int`, *optional*, defaults to `1`):
+            Completions sampled per prompt, consecutive in the rollout batch (TRL GRPO's groups). It must divide the
+            rollout batch's prompts over all processes.
+        scale_rewards (`str`, *optional*, defaults to `"group"`):
+            How the reward advantage is scaled after its group's mean is subtracted, as in TRL GRPO: by the group's
+            standard deviation (`"group"`), the batch's (`"batch"`), or not at all (`"none"`).
+
         > Parameters that control the data preprocessing
 
         max_prompt_length (`int` or `None`, *optional*, defaults to `1024`):
@@ -259,6 +281,28 @@ class TVOPDConfig(DistillationConfig):
         default=1, metadata={"help": "Optimizer steps each rollout batch is split into (S)."}
     )
 
+    # Parameters that control the task reward
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Registered reward functions scored on every rollout, e.g. `accuracy`."}
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weight of each reward function in the summed reward (default 1 each)."}
+    )
+    reward_coef: float = field(
+        default=0.0, metadata={"help": "alpha: weight of the group-normalised reward advantage beside the teacher's."}
+    )
+    distillation_coef: float = field(
+        default=1.0, metadata={"help": "Weight of the distillation advantage; 0 with reward_coef > 0: reward only."}
+    )
+    num_generations: int = field(default=1, metadata={"help": "Completions sampled per prompt (GRPO's groups)."})
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Scaling of the reward advantage: by its group's std, the batch's, or none.",
+            "choices": ["group", "batch", "none"],
+        },
+    )
+
     # Parameters that control the data preprocessing
     max_prompt_length: int | None = field(
         default=1024,
@@ -313,6 +357,27 @@ class TVOPDConfig(DistillationConfig):
     teacher_model_server_max_in_flight: int = field(
         default=2, metadata={"help": "Teacher scoring requests in flight per replica from each process."}
     )
+
+    def _check_reward_settings(self):
+        if self.reward_coef < 0 or self.distillation_coef < 0 or self.reward_coef == self.distillation_coef == 0:
+            raise ValueError(
+                f"reward_coef and distillation_coef must be >= 0 and not both 0, got {self.reward_coef} and "
+                f"{self.distillation_coef}."
+            )
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {self.num_generations}.")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {self.scale_rewards!r}.")
+        if self.reward_coef > 0 and self.num_generations < 2:
+            raise ValueError(
+                f"reward_coef={self.reward_coef} weights a reward advantage measured against its group's mean, which is "
+                "0 for a group of one completion: set num_generations >= 2."
+            )
+        if self.reward_coef > 0 and self.tv_scale_target == "learning_rate":
+            raise ValueError(
+                "tv_scale_target='learning_rate' would scale the reward term by c_k too, while c_k regulates the "
+                "distillation term only: leave tv_scale_target='advantage' with reward_coef > 0."
+            )
 
     def __getstate__(self):
         # transformers pickles the config into every checkpoint's `training_args.bin` and uploads that file with
@@ -370,6 +435,7 @@ class TVOPDConfig(DistillationConfig):
         for name in ("num_iterations", "steps_per_generation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        self._check_reward_settings()
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError(
                 f"max_completion_length must be >= 1, got {self.max_completion_length}: it is the rollouts' length budget."

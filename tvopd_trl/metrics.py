@@ -96,9 +96,11 @@ class StepStatistics:
         epsilon,
         log_gap=None,
         teachers=None,
+        terms=None,
     ):
         """Adds one micro-batch: `(B, T)` tensors, `epsilon` = (low, high) PPO clip ranges, `log_gap` = log pi_old -
-        log pi_vllm under vLLM, `teachers` = {name: `(B,)` mask of its rows} with several teachers."""
+        log pi_vllm under vLLM, `teachers` = {name: `(B,)` mask of its rows} with several teachers, `terms` = the
+        advantage's (distillation, reward) terms with a task reward."""
         finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
         sums = {
             "tokens": active.sum(),
@@ -110,6 +112,9 @@ class StepStatistics:
             "loss": per_token_loss.detach().sum(),
             "entropy": torch.where(active, entropy, 0.0).sum(),
         }
+        if terms is not None:
+            sums["abs_distill"] = torch.where(active, terms[0].abs(), 0.0).sum()
+            sums["abs_reward"] = torch.where(active, terms[1].abs(), 0.0).sum()
         for name, rows in (teachers or {}).items():
             own = active & rows.unsqueeze(1)
             sums[f"tokens/{name}"] = own.sum()
@@ -149,6 +154,12 @@ class StepStatistics:
         metrics["tv/nonfinite_tokens"].append(sums["nonfinite"])
         metrics["policy_loss"].append(ratio(sums["loss"]))
         metrics["entropy"].append(ratio(sums["entropy"]))
+        if "abs_reward" in sums:
+            # Which signal drives the update: the two terms' mean |coefficient| over the step's tokens, and their ratio
+            metrics["advantage/distill_abs_mean"].append(ratio(sums["abs_distill"]))
+            metrics["advantage/reward_abs_mean"].append(ratio(sums["abs_reward"]))
+            share = sums["abs_reward"] / sums["abs_distill"] if sums["abs_distill"] > 0 else float("nan")
+            metrics["advantage/reward_to_distill"].append(share)
         for key in sums:
             if key.startswith("tokens/"):
                 name, own = key.removeprefix("tokens/"), sums[key]

@@ -22,9 +22,11 @@ from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
+from trl.data_utils import is_conversational
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
+    nanstd,
     pad,
     repeat_iterable_dataset,
     shuffle_sequence_dict,
@@ -38,6 +40,7 @@ from .checks import (
     check_inputs,
     check_loaded_trainer,
     check_paths,
+    check_reward_setup,
     check_teacher_pools,
     load_tokenizer,
     wait_for_server,
@@ -45,6 +48,7 @@ from .checks import (
 from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
+from .rewards import group_advantages, resolve_reward_funcs, reward_table
 from .scoring import CompletionScoringMixin
 from .served_teacher import connect_teacher_pool
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
@@ -101,6 +105,10 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         quantization_config, peft_config, tools:
             As in [`~trl.DistillationTrainer`]. `args` must be a [`TVOPDConfig`]. Vision-language processors are
             refused: the method is text-only.
+        reward_funcs (`Callable`, `str` or `list`, *optional*):
+            Task rewards beside the teacher, as [`~trl.GRPOTrainer`] takes them: callables with its signature, or
+            names in `tvopd_trl.rewards.REWARD_FUNCS`. Defaults to `args.reward_funcs`. Weighted into the advantage by
+            `args.reward_coef` (docs/method.md, section 8).
         teacher_processing_class ([`~transformers.PreTrainedTokenizerBase`] or `dict`, *optional*):
             The teacher's tokenizer, compared with the student's at construction. With several teachers, one
             tokenizer is every teacher's (teachers of one family share theirs), and a mapping by name gives each its
@@ -142,6 +150,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         peft_config=None,
         tools=None,
         teacher_processing_class: PreTrainedTokenizerBase | None = None,
+        reward_funcs=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -151,6 +160,10 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         local_teachers, served_teachers = check_inputs(
             args, train_dataset, processing_class, tools, teacher_model, eval_dataset
         )
+        reward_funcs, reward_func_names = resolve_reward_funcs(
+            args.reward_funcs if reward_funcs is None else reward_funcs
+        )
+        check_reward_setup(args, reward_funcs)
         # Servers are checked before any model loads, so that an unreachable one fails at once.
         if args.use_vllm and args.vllm_mode == "server":
             url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
@@ -207,6 +220,8 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=pool) for name, pool in pools.items()})
         self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
+        self.reward_funcs, self.reward_func_names = reward_funcs, reward_func_names
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
         check_loaded_trainer(self, teacher_tokenizers)
 
@@ -345,8 +360,8 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
                 dataset = dataset.shuffle(seed=self.args.seed)
             dataset = repeat_iterable_dataset(
                 dataset,
-                mini_repeat_count=1,
-                batch_size=self._global_rollout_size,
+                mini_repeat_count=self.args.num_generations,
+                batch_size=self._global_rollout_size // self.args.num_generations,
                 repeat_count=self._micro_steps_per_rollout,
             )
         return self._get_dataloader(
@@ -358,11 +373,12 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         )
 
     def _get_train_sampler(self, dataset=None):
-        # Each rollout batch is yielded once per micro-step that uses it; `_prepare_inputs` generates on the first.
+        # Each rollout batch is yielded once per micro-step that uses it; `_prepare_inputs` generates on the first. A
+        # prompt's `num_generations` samples are consecutive: GRPO's groups.
         return RepeatSampler(
             data_source=self.train_dataset if dataset is None else dataset,
-            mini_repeat_count=1,
-            batch_size=self._global_rollout_size,
+            mini_repeat_count=self.args.num_generations,
+            batch_size=self._global_rollout_size // self.args.num_generations,
             repeat_count=self._micro_steps_per_rollout,
             shuffle=self.shuffle_dataset,
             seed=self.args.seed,
@@ -424,10 +440,11 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         freeze_old_logps = (
             self.model.training and self._micro_steps_per_rollout > self.args.gradient_accumulation_steps
         )
+        batch = self.generate_completions(inputs)
+        if self.reward_funcs and self.model.training:
+            batch["reward_advantages"] = self.reward_advantages(inputs, batch)
         return self.score_completions(
-            self.generate_completions(inputs),
-            old_logps=freeze_old_logps,
-            exact_divergences=self._needs_exact_divergences,
+            batch, old_logps=freeze_old_logps, exact_divergences=self._needs_exact_divergences
         )
 
     def generate_completions(self, prompts):
@@ -452,6 +469,41 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             width = output["completion_ids"].size(1)  # completions may be padded to `pad_to_multiple_of`
             output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
         return output
+
+    def reward_advantages(self, prompts, batch):
+        """The `(B,)` reward advantage of each completion of `batch` (from `generate_completions(prompts)`): the reward
+        functions' weighted sum, normalised within each prompt's group of `num_generations` over all processes as TRL
+        GRPO does (`tvopd_trl.rewards.group_advantages`). Logs GRPO's reward metrics."""
+        completion_ids = [
+            ids[mask.bool()].tolist() for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        ]
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = is_conversational(prompts[0])
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        columns = {key: [row[key] for row in prompts] for key in prompts[0] if key not in ("prompt", "completion")}
+        local = reward_table(
+            self.reward_funcs,
+            self.reward_func_names,
+            [row["prompt"] for row in prompts],
+            completions,
+            completion_ids,
+            trainer_state=self.state,
+            **columns,
+        )
+        table = self.accelerator.gather(local.to(self.accelerator.device))
+        advantages, rewards, zero_std, unscorable = group_advantages(
+            table, self.reward_weights, self.args.num_generations, self.args.scale_rewards
+        )
+        metrics = self._metrics["train"]
+        for index, name in enumerate(self.reward_func_names):
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(table[:, index]).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(table[:, index]).item())
+        metrics["reward"].append(torch.nanmean(rewards).item())
+        metrics["reward_std"].append(nanstd(rewards).item())
+        metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
+        metrics["rewards/unscorable"].append(unscorable.float().mean().item())
+        rows = len(prompts)
+        return advantages[self.accelerator.process_index * rows : (self.accelerator.process_index + 1) * rows]
 
     def generate_and_score(self, prompts):
         """[`~TVOPDTrainer.generate_completions`] with `teacher_logps` and `loss_mask` (see
@@ -524,6 +576,15 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             generator=self._shuffle_generator() if "generator" in spec.inputs else None,
             **spec.config_kwargs(args),
         )
+        if args.distillation_coef != 1.0:
+            advantages = args.distillation_coef * advantages
+        reward_term = None
+        if "reward_advantages" in inputs:
+            # The reward advantage is the sequence's, on each of its tokens; c_k and the TV estimate never see it.
+            reward_term = torch.where(active, args.reward_coef * inputs["reward_advantages"].unsqueeze(1), 0.0)
+            distill_term = advantages
+            if args.reward_coef:
+                advantages = advantages + reward_term
 
         # Inactive tokens get ratio 1 from constants, so a non-finite log-probability there cannot reach a gradient.
         ratio = torch.exp(torch.where(active, logps, 0.0) - torch.where(active, old_logps, 0.0))
@@ -561,6 +622,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
                 epsilon=(args.epsilon, args.epsilon_high),
                 log_gap=log_gap if sampled_by_vllm else None,
                 teachers=None if routing is None else {name: routing == k for k, name in enumerate(self.teachers)},
+                terms=None if reward_term is None else (distill_term, reward_term),
             )
             # Under vLLM the tokens were drawn by the sampler: X_t weighted by the loss's truncated ratio pi_old /
             # pi_vllm estimates the TV under pi_old again (docs/method.md).

@@ -1,0 +1,128 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""A task reward beside the teacher (docs/method.md, section 8): reward functions as TRL's `GRPOTrainer` takes them,
+the registered names a recipe gives, and GRPO's group normalisation of the weighted reward into a sequence advantage."""
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+from trl.trainer.utils import get_callable_name, nanstd
+
+
+def accuracy_reward(completions, solution=None, answer=None, **kwargs) -> list[float | None]:
+    """1.0 where the completion's last `\\boxed{}` equals the gold answer under math-verify, else 0.0 (nothing boxed,
+    a wrong answer, or a grading timeout); `None`, a skip, where the gold answer itself does not parse. The gold
+    answer is the dataset's `solution` column, or its `answer` column. The evaluation's grader (`tvopd_trl.eval`)."""
+    from .eval.grading import CORRECT, INVALID_GOLD, grade_responses
+
+    golds = solution if solution is not None else answer
+    if golds is None:
+        raise ValueError(
+            "The `accuracy` reward grades against the prompts' gold answers, but the dataset has neither a "
+            "`solution` nor an `answer` column: add one (with `remove_unused_columns=False`, the default)."
+        )
+    texts = [completion[0]["content"] if isinstance(completion, list) else completion for completion in completions]
+    _, statuses = grade_responses(texts, [str(gold) for gold in golds], workers=1)
+    return [None if status == INVALID_GOLD else float(status == CORRECT) for status in statuses]
+
+
+# The reward functions a recipe or the command line names (`reward_funcs: [accuracy]`)
+REWARD_FUNCS: dict[str, Callable] = {"accuracy": accuracy_reward}
+
+
+def resolve_reward_funcs(reward_funcs) -> tuple[list[Callable], list[str]]:
+    """The reward functions (callables as `GRPOTrainer` takes them, or names in [`REWARD_FUNCS`]) and their names."""
+    if reward_funcs is None:
+        return [], []
+    funcs = []
+    for func in reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]:
+        if isinstance(func, str):
+            if func not in REWARD_FUNCS:
+                raise ValueError(
+                    f"Unknown reward function {func!r}: the registered ones are {', '.join(REWARD_FUNCS)}. A reward "
+                    "model is not a reward function here; pass a callable that scores completions instead."
+                )
+            func = REWARD_FUNCS[func]
+        elif not callable(func):
+            raise TypeError(f"A reward function is a callable or a registered name, got {type(func).__name__}.")
+        funcs.append(func)
+    return funcs, [get_callable_name(func) for func in funcs]
+
+
+def reward_table(funcs, names, prompts, completions, completion_ids, **columns) -> torch.Tensor:
+    """
+    The `(B, len(funcs))` float32 rewards of B completions, NaN where a function returned `None` (or NaN): it skips
+    that completion. Each function is called as `GRPOTrainer` calls it, `func(prompts=, completions=, completion_ids=,
+    **columns)`, with the prompts' other dataset columns and `trainer_state` in `columns`; an async one is run to
+    completion. A function that raises, returns the wrong number of rewards or an infinite one stops the step with
+    an error that names it.
+    """
+    table = torch.full((len(prompts), len(funcs)), math.nan)
+    for index, (func, name) in enumerate(zip(funcs, names, strict=True)):
+        try:
+            rewards = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if inspect.isawaitable(rewards):
+                rewards = asyncio.run(rewards)
+        except Exception as error:
+            raise RuntimeError(
+                f"The reward function {name!r} raised {type(error).__name__}: {error}. A completion it cannot score "
+                "gets `None` (a skip), not an exception."
+            ) from error
+        rewards = list(rewards)
+        if len(rewards) != len(prompts):
+            raise ValueError(
+                f"The reward function {name!r} returned {len(rewards)} rewards for {len(prompts)} completions: return "
+                "one per completion (`None` to skip one)."
+            )
+        values = [math.nan if reward is None else float(reward) for reward in rewards]
+        if any(math.isinf(value) for value in values):
+            raise ValueError(f"The reward function {name!r} returned an infinite reward; return `None` to skip one.")
+        table[:, index] = torch.tensor(values)
+    return table
+
+
+def group_advantages(table, weights, num_generations, scale_rewards="group"):
+    """
+    TRL GRPO's sequence advantage (its default `multi_objective_aggregation="sum_then_normalize"`) from the `(N,
+    F)` rewards of N completions, each `num_generations` consecutive ones sampled from one prompt.
+
+    The weighted sum over functions skips NaN; a completion that every function skipped is unscorable: it is left
+    out of its group's baseline and gets advantage 0. Its group's mean is subtracted, and the result divided by the
+    group's standard deviation (`scale_rewards="group"`), the batch's (`"batch"`), or not (`"none"`), plus 1e-4.
+
+    Returns:
+        `(advantages, rewards, zero_std, unscorable)`, all `(N,)`: the advantages, the weighted rewards (NaN where
+        unscorable), whether the scaling standard deviation is 0, and whether the completion is unscorable.
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}.")
+    unscorable = torch.isnan(table).all(dim=1)
+    rewards = (table * weights.to(table.device).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = math.nan
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif num_generations > 1:
+        std = nanstd(groups, dim=1).repeat_interleave(num_generations)
+    else:
+        std = torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0), rewards, zero_std, unscorable
