@@ -32,8 +32,11 @@ class StepTimer(TrainerCallback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def run(mode, tokenizer, prompts, steps):
+def run(mode, tokenizer, prompts, steps, callbacks=(), **overrides):
+    """Seconds of each step but the first of a `steps`-step run; `overrides` go to the config, the rest to the
+    trainer."""
     timer = StepTimer()
+    reward_funcs = overrides.pop("reward_funcs", None)
     args = tiny_config(
         tempfile.mkdtemp(prefix=f"bench-{mode}-"),
         advantage_mode=mode,
@@ -44,6 +47,7 @@ def run(mode, tokenizer, prompts, steps):
         generation_kwargs={"min_new_tokens": 16},
         learning_rate=3e-3,
         logging_steps=steps,
+        **overrides,
     )
     trainer = TVOPDTrainer(
         model=build_model(tokenizer, seed=0, hidden_size=64),
@@ -52,7 +56,8 @@ def run(mode, tokenizer, prompts, steps):
         train_dataset=prompts,
         processing_class=tokenizer,
         teacher_processing_class=tokenizer,
-        callbacks=[timer],
+        callbacks=[timer, *callbacks],
+        reward_funcs=reward_funcs,
     )
     trainer.train()
     return timer.seconds[1:]

@@ -1,5 +1,5 @@
 """A task reward beside the teacher: TRL GRPO's reward plumbing and group normalisation, the advantage A_t = A_distill_t
-+ alpha * A_reward, its metrics, and its errors (docs/method.md, section 8)."""
++ alpha * A_reward, its metrics, and its errors (docs/method.md, section 9)."""
 
 import math
 

@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""A task reward beside the teacher (docs/method.md, section 8): reward functions as TRL's `GRPOTrainer` takes them,
+"""A task reward beside the teacher (docs/method.md, section 9): reward functions as TRL's `GRPOTrainer` takes them,
 the registered names a recipe gives, and GRPO's group normalisation of the weighted reward into a sequence advantage."""
 
 import asyncio

@@ -86,8 +86,8 @@ def load_study(path):
     for slug, method in study.methods.items():
         if not isinstance(method, dict) or "name" not in method:
             raise ValueError(f"{path}: method {slug!r} needs a `name` (its title in tables) and its recipe overrides.")
-    # A study across skills (several teachers) has its own analysis: per-skill accuracy and every teacher's scale.
-    if "skills" not in study.analysis:
+    # A study across skills (several teachers) and one of a task reward have their own analyses.
+    if not {"skills", "reward_methods"} & set(study.analysis):
         missing = sorted(ANALYSIS_KEYS - set(study.analysis))
         if missing:
             raise ValueError(f"{path}: `analysis` lacks {missing}.")
@@ -428,6 +428,51 @@ def analyze_skills(study, results):
     return {"Accuracy per skill": rows}, tables, figures
 
 
+def analyze_reward(study, results):
+    """A study of a task reward beside an imperfect teacher: each method's retention numbers against the teacher's
+    accuracy, and its accuracy, c_k, reward and term-ratio curves."""
+    from .eval.tables import format_table
+    from .plots import plot_curves
+
+    out, k = study.results_dir, study.overrides["eval_k"]
+    benchmark = study.overrides.get("eval_benchmark", "tiny")
+    teacher = _aggregate(
+        run["summary"]["skills"][benchmark]["teacher_accuracy"] for runs in results.values() for run in runs
+    )
+    student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
+    rows = retention_rows(study, results, list(study.methods))
+    header = {"selected": "Selected", "final": "Final", "late_mean": "LateMean", "peak_drop": "PeakDrop"}
+    fixed = {
+        "Teacher": {"selected": teacher, "final": teacher},
+        "Student (step 0)": {"selected": student, "final": student},
+    }
+    table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop",), fixed_rows=fixed)
+    window = list(_steps(study.analysis["late_window"]))
+    tables = (
+        f"### A task reward beside the teacher\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; "
+        f"LateMean over steps {window}, PeakDrop = max over steps - LateMean (lower is better). Bold best, underlined "
+        f"second.\n\n{table}\n"
+    )
+    methods = study.analysis["reward_methods"]
+    figures = {
+        "curves.png": (_curves(study, results, list(study.methods)), f"Held-out mean@{k}", {}),
+        "tv_scale.png": (
+            _curves(study, results, methods, "tv/scale"),
+            "tv/scale (c_k)",
+            {"ylabel": "c_k", "scale": 1},
+        ),
+        "reward.png": (_curves(study, results, methods, "reward"), "Training reward (accuracy)", {}),
+        "reward_to_distill.png": (
+            _curves(study, results, methods, "advantage/reward_to_distill"),
+            "mean |alpha A_reward| / mean |A_distill|",
+            {"ylabel": "ratio", "scale": 1},
+        ),
+    }
+    for name, (curves, title, options) in figures.items():
+        plot_curves(curves, os.path.join(out, name), title, **options)
+    return {"Reward": rows, "Teacher": teacher}, tables, list(figures)
+
+
 def analyze(study, log=print):
     """Writes the study's tables (Markdown, and all numbers in `results.json`) and figures into `study.results_dir`."""
     from .eval.tables import format_table
@@ -438,9 +483,10 @@ def analyze(study, log=print):
     out = study.results_dir
     os.makedirs(out, exist_ok=True)
     analysis = study.analysis
-    if "skills" in analysis:
-        numbers, tables, figures = analyze_skills(study, results)
-        return _write_results(study, results, numbers, [tables], figures, log)
+    for key, analysis_of in (("skills", analyze_skills), ("reward_methods", analyze_reward)):
+        if key in analysis:
+            numbers, tables, figures = analysis_of(study, results)
+            return _write_results(study, results, numbers, [tables], figures, log)
     header = {
         "selected": "Selected",
         "final": "Final",

@@ -108,7 +108,7 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         reward_funcs (`Callable`, `str` or `list`, *optional*):
             Task rewards beside the teacher, as [`~trl.GRPOTrainer`] takes them: callables with its signature, or
             names in `tvopd_trl.rewards.REWARD_FUNCS`. Defaults to `args.reward_funcs`. Weighted into the advantage by
-            `args.reward_coef` (docs/method.md, section 8).
+            `args.reward_coef` (docs/method.md, section 9).
         teacher_processing_class ([`~transformers.PreTrainedTokenizerBase`] or `dict`, *optional*):
             The teacher's tokenizer, compared with the student's at construction. With several teachers, one
             tokenizer is every teacher's (teachers of one family share theirs), and a mapping by name gives each its
