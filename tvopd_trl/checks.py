@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 from transformers.utils import logging
 from trl.import_utils import is_vllm_available
 
+from .async_rollouts import check_async_setup
 from .teachers import SINGLE_TEACHER, check_routing, teacher_sources
 from .tokenizers import check_shared_vocabulary
 
@@ -73,6 +74,7 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model, ev
         )
     _check_dataset(train_dataset, processing_class)
     _check_batch_layout(args, train_dataset)
+    check_async_setup(args, train_dataset)
     if args.use_vllm and tools:
         raise ValueError(
             "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "

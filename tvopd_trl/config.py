@@ -157,6 +157,14 @@ class TVOPDConfig(DistillationConfig):
             through which the student's weights reach the server after each optimizer step, which the server loads in
             place (it runs with `VLLM_SERVER_DEV_MODE=1`; docs/vllm.md). It must be readable by the server: the
             default, a temporary folder removed at exit, suits a server on the same machine. Unused with CUDA.
+        max_staleness (`int`, *optional*, defaults to `0`):
+            Asynchronous rollouts, as TRL's asynchronous trainers name it: with `max_staleness=s > 0` the vLLM server
+            samples the next rollout batches while the trainer trains on this one, each with weights at most `s`
+            optimizer steps older than those of its first update (a staler one is dropped, sampled again and counted
+            in `async/dropped`). pi_old stays the student's log-probability at learner time; the sampler's enters only
+            through the truncated importance weight (docs/method.md). `0` generates each rollout batch when it is
+            needed, as TRL does. Needs `use_vllm=True`, `vllm_mode="server"` and one optimizer step per rollout batch
+            (docs/vllm.md).
 
         > Parameters that control a served teacher
 
@@ -325,6 +333,13 @@ class TVOPDConfig(DistillationConfig):
         },
     )
 
+    max_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "Optimizer steps a vLLM server rollout may lag behind the weights it is trained on; 0: synchronous."
+        },
+    )
+
     # Several teachers: a mapping by name (docs/multi-teacher.md)
     teacher_model_name_or_path: dict[str, str] | str | None = field(
         default=None,
@@ -442,6 +457,8 @@ class TVOPDConfig(DistillationConfig):
             )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
         if self.vllm_importance_sampling_cap <= 0:
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
         if self.teacher_model_server_request_timeout <= 0 or self.teacher_model_server_retries < 0:

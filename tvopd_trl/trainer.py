@@ -34,6 +34,7 @@ from trl.trainer.utils import (
 )
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
+from .async_rollouts import AsyncRolloutMixin
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import RolloutCheckpointMixin
 from .checks import (
@@ -74,7 +75,7 @@ class _OptimizerStepHooks(TrainerCallback):
         self.trainer._finish_optimizer_step()
 
 
-class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationTrainer):
+class TVOPDTrainer(CompletionScoringMixin, AsyncRolloutMixin, RolloutCheckpointMixin, DistillationTrainer):
     """
     Trainer for TV-Regulated On-Policy Distillation (TV-OPD) and the sampled-token OPD baselines it is compared with.
 
@@ -397,6 +398,8 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
             return self._generate_and_score_completions(generation_batch)
         micro_batches = self._micro_batches_per_rollout
         if self._step % self._micro_steps_per_rollout == 0:
+            if self.args.max_staleness:
+                generation_batch = self._take_rollout()  # sampled ahead; the dataloader's batch only paces the loop
             rollout = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
             self._buffered_inputs = split_tensor_dict(rollout, micro_batches)
             # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
@@ -415,22 +418,30 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
 
     def _tokenize_prompts(self, prompts):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        limit = self.args.max_prompt_length
-        if limit is not None:
-            self._truncated_prompts = sum(len(ids) > limit for ids in prompt_ids)
-            prompt_ids = [list(ids[-limit:]) for ids in prompt_ids]
+        prompt_ids, self._truncated_prompts = self._truncate_prompts(prompt_ids)
         return prompt_ids, images, multimodal_fields
+
+    def _truncate_prompts(self, prompt_ids):
+        """`prompt_ids` cut to `max_prompt_length` on the left, and how many were cut."""
+        limit = self.args.max_prompt_length
+        if limit is None:
+            return prompt_ids, 0
+        return [list(ids[-limit:]) for ids in prompt_ids], sum(len(ids) > limit for ids in prompt_ids)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         if not self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
-        # The base path discards vLLM's log-probabilities; keep the sampled token's for the importance correction.
-        if self.state.global_step != self._last_loaded_step:
-            self.vllm_generation.sync_weights()
-            self._last_loaded_step = self.state.global_step
-        _, completion_ids, logprobs, _ = self.vllm_generation.generate(
-            prompts=prompt_ids, images=images, num_generations=1
-        )
+        if self._rollout_stream is not None and self.model.training:
+            completion_ids, logprobs = self._taken_completions(prompt_ids)
+        else:
+            # The base path discards vLLM's log-probabilities; keep the sampled token's for the importance correction.
+            if self._rollout_stream is None and self.state.global_step != self._last_loaded_step:
+                self.vllm_generation.sync_weights()  # asynchronous rollouts keep the server in sync after each step
+                self._last_loaded_step = self.state.global_step
+            with self._rollout_lock():
+                _, completion_ids, logprobs, _ = self.vllm_generation.generate(
+                    prompts=prompt_ids, images=images, num_generations=1
+                )
         self._sampler_logps = [[token[0] for token in sequence] for sequence in logprobs]
         return completion_ids
 
@@ -663,6 +674,8 @@ class TVOPDTrainer(CompletionScoringMixin, RolloutCheckpointMixin, DistillationT
         step_nonfinite = self._step_grad_norm is not None and not math.isfinite(self._step_grad_norm)
         skipped = self.accelerator.optimizer_step_was_skipped or (not self.is_deepspeed_enabled and step_nonfinite)
         metrics["update/skipped"].append(float(skipped))
+        if self._rollout_stream is not None:
+            self._sync_rollout_weights()
         for index, scale in enumerate(self.rollout_scales):
             metrics[self._scale_metric("tv/scale", index)].append(scale)
 

@@ -1,0 +1,222 @@
+"""Asynchronous rollouts (`max_staleness`, tvopd_trl/async_rollouts.py) without vLLM: the producer's ordering, staleness
+bound, drops, waits and faults against a stand-in request function, the prompt order it draws, and what the trainer
+refuses. The real server's side is tests/test_vllm_async.py."""
+
+import threading
+import time
+
+import pytest
+from datasets import Dataset
+
+from tvopd_trl.async_rollouts import Rollout, RolloutProducer, RolloutServerError, rollout_batches
+from tvopd_trl.testing import tiny_config
+
+
+SERVER = "http://rollout-server:8000"
+
+
+class StandIn:
+    """A request function that records, for each request, its prompts, the producer's version and whether a weight
+    sync overlapped it; each request takes `seconds`."""
+
+    def __init__(self, seconds=0.0, fail_at=None):
+        self.seconds, self.fail_at = seconds, fail_at
+        self.producer = None
+        self.calls = []
+        self.in_request = threading.Event()
+
+    def __call__(self, prompt_ids):
+        if len(self.calls) == self.fail_at:
+            raise ConnectionError("Connection refused")
+        self.in_request.set()
+        self.calls.append((prompt_ids[0][0], self.producer.version))
+        time.sleep(self.seconds)
+        self.in_request.clear()
+        return [[1, 2]] * len(prompt_ids), [[[-0.5], [-0.25]]] * len(prompt_ids)
+
+
+def start(max_staleness, version=0, **kwargs):
+    request = StandIn(**kwargs)
+    producer = RolloutProducer(request, max_staleness, version, server=SERVER)
+    request.producer = producer
+    return producer, request
+
+
+def submit(producer, index):
+    producer.submit(Rollout(index, rows=[{"index": index}], prompt_ids=[[index]]))
+
+
+def sync_checking(request):
+    def sync():
+        assert not request.in_request.is_set(), "a weight sync ran during a request"
+
+    return sync
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_rollouts_come_in_order_and_are_sampled_within_the_staleness_bound(max_staleness):
+    producer, request = start(max_staleness, seconds=0.01)
+    try:
+        for index in range(max_staleness + 1):
+            submit(producer, index)
+        for index in range(8):
+            rollout, statistics = producer.take(index)
+            assert rollout.index == index and rollout.rows == [{"index": index}]
+            assert rollout.completion_ids == [[1, 2]] and rollout.logprobs == [[[-0.5], [-0.25]]]
+            assert statistics.staleness == index - rollout.version <= max_staleness
+            assert statistics.dropped == 0
+            submit(producer, index + max_staleness + 1)
+            time.sleep(0.03)  # "training": the producer samples ahead meanwhile
+            producer.update_weights(sync_checking(request))
+    finally:
+        producer.close()
+    # Each rollout was requested with the oldest weights the bound allows: k - s once the pipeline is full
+    versions = dict(request.calls)
+    assert all(versions[index] == max(index - max_staleness, 0) for index in range(8))
+
+
+def test_the_producer_samples_ahead_while_the_trainer_trains():
+    producer, request = start(1, seconds=0.2)
+    try:
+        submit(producer, 0)
+        submit(producer, 1)
+        producer.take(0)
+        started = time.monotonic()
+        time.sleep(0.25)  # train on rollout 0 while rollout 1 is sampled
+        producer.update_weights(sync_checking(request))
+        _, statistics = producer.take(1)
+        assert statistics.wait_seconds < 0.05  # ready: it was sampled during the training
+        assert time.monotonic() - started < 0.4  # sequential generation and training would take 0.45 s
+    finally:
+        producer.close()
+
+
+def test_a_rollout_staler_than_the_bound_is_dropped_sampled_again_with_the_current_weights_and_counted():
+    # The producer never starts a rollout that its bound would drop; `take` is what guarantees the bound. Sample
+    # rollouts 0-2 under a bound of 2 (all with version 0), then take rollout 2 under a bound of 1.
+    producer, request = start(2)
+    try:
+        for index in range(3):
+            submit(producer, index)
+        while len(request.calls) < 3:
+            time.sleep(0.01)
+        for index in range(2):
+            producer.take(index)
+            producer.update_weights(lambda: None)
+        producer.max_staleness = 1
+        rollout, statistics = producer.take(2)
+        assert (statistics.dropped, statistics.staleness, rollout.version) == (1, 0, 2)
+        assert request.calls == [(0, 0), (1, 0), (2, 0), (2, 2)]  # sampled again, with the current weights
+    finally:
+        producer.close()
+
+
+def test_a_server_failure_in_the_producer_is_one_clear_error_at_the_trainer():
+    producer, request = start(1, fail_at=1)
+    try:
+        submit(producer, 0)
+        submit(producer, 1)
+        producer._thread.join(5)  # the thread ends on the failed request for rollout 1
+        producer.take(0)  # sampled before the failure: whole, it trains
+        # the weight sync after its step does not reach the dead server, nor does the next rollout come
+        with pytest.raises(RolloutServerError, match="No update used any of that batch"):
+            producer.update_weights(lambda: pytest.fail("synced to a failed server"))
+        with pytest.raises(RolloutServerError, match=f"rollout server at {SERVER} failed.*Connection refused.*resume"):
+            producer.take(1)
+    finally:
+        producer.close()
+
+
+def test_a_slow_server_shows_in_the_trainers_wait(monkeypatch):
+    monkeypatch.setattr("tvopd_trl.async_rollouts.WAIT_WARNING_INTERVAL", 0.1)
+    producer, request = start(1, seconds=0.35)
+    try:
+        submit(producer, 0)
+        _, statistics = producer.take(0)
+        assert 0.3 < statistics.wait_seconds < 1.0
+        # the server was never idle for want of work: it sampled as soon as rollout 0 was submitted
+        assert producer.collect_sampler_wait() < 0.1
+    finally:
+        producer.close()
+
+
+def test_the_sampler_wait_is_the_servers_idle_time():
+    producer, request = start(1)
+    try:
+        submit(producer, 0)
+        producer.take(0)
+        time.sleep(0.2)  # nothing submitted: the server idles
+        submit(producer, 1)
+        producer.take(1)
+        assert 0.15 < producer.collect_sampler_wait() < 0.5
+        assert producer.collect_sampler_wait() == 0.0  # read and reset
+    finally:
+        producer.close()
+
+
+def test_close_stops_a_waiting_producer():
+    producer, _ = start(1)
+    submit(producer, 5)  # not startable before version 4: the thread waits
+    producer.close()
+    assert not producer._thread.is_alive()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The prompt order, and the trainer
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("settings", [{}, {"gradient_accumulation_steps": 2, "num_generations": 2}])
+def test_rollout_batches_are_the_dataloaders_batches_epoch_after_epoch(make_trainer, tmp_path, settings):
+    args = tiny_config(tmp_path, per_device_train_batch_size=4, **settings)
+    trainer = make_trainer(args, train_dataset=make_trainer.keywords["train_dataset"].select(range(20)))
+    per_rollout = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    # Over 3 epochs of 20 prompts (5 rollout batches of distinct prompts each), as `Trainer` iterates
+    # one dataloader; each batch comes once per micro-step that uses it
+    dataloader = trainer.get_train_dataloader()
+    loaded = [batch for _ in range(3) for batch in list(dataloader)[:: args.gradient_accumulation_steps]]
+    assert len(loaded) == 3 * (20 // (per_rollout // args.num_generations))
+    stream = rollout_batches(trainer.train_dataset, trainer._get_train_sampler(), per_rollout)
+    assert [next(stream) for _ in loaded] == loaded
+    resumed = rollout_batches(trainer.train_dataset, trainer._get_train_sampler(), per_rollout, start=3)
+    assert next(resumed) == loaded[3]
+
+
+def test_staleness_zero_builds_no_asynchronous_machinery(make_trainer, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=2))
+    monkeypatch.setattr(trainer, "_start_rollouts", lambda: pytest.fail("asynchronous rollouts started"))
+    trainer.train()
+    assert trainer._rollouts is None and trainer._rollout_stream is None
+    logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    assert len(logs) == 2 and not any(key.startswith("async/") for entry in logs for key in entry)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, "needs use_vllm=True and vllm_mode='server'"),
+        ({"use_vllm": True, "vllm_mode": "colocate"}, "needs use_vllm=True and vllm_mode='server'"),
+        ({"use_vllm": True, "vllm_mode": "server", "steps_per_generation": 2}, "steps_per_generation=2"),
+        ({"use_vllm": True, "vllm_mode": "server", "num_iterations": 2}, "num_iterations=2"),
+    ],
+)
+def test_unsupported_settings_are_refused_before_any_model_loads(tmp_path, settings, message):
+    from tvopd_trl.async_rollouts import check_async_setup
+
+    args = tiny_config(tmp_path, max_staleness=1, **settings)
+    with pytest.raises(ValueError, match=message):
+        check_async_setup(args, Dataset.from_list([{"prompt": "1 + 1"}]))
+
+
+def test_a_streamed_dataset_is_refused(tmp_path):
+    from tvopd_trl.async_rollouts import check_async_setup
+
+    args = tiny_config(tmp_path, max_staleness=1, use_vllm=True, vllm_mode="server")
+    streamed = Dataset.from_list([{"prompt": "1 + 1"}]).to_iterable_dataset()
+    with pytest.raises(ValueError, match="map-style dataset"):
+        check_async_setup(args, streamed)
+
+
+def test_a_negative_staleness_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        tiny_config(tmp_path, max_staleness=-1)

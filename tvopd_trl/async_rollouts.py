@@ -1,0 +1,380 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Asynchronous rollouts with bounded staleness (`max_staleness`): the vLLM server samples the next rollout batches
+while the trainer scores and trains on this one.
+
+The weight version is the number of optimizer steps applied to the weights the server holds. Rollout k is first updated
+on at version k (one optimizer step per rollout batch), so it may be sampled with any version >= k - max_staleness: the
+producer starts it as soon as that holds and the rollout before it has left the server. The trainer's weight sync after
+each optimizer step and every request hold one lock, so that no request runs on half-updated weights.
+"""
+
+import collections
+import contextlib
+import copy
+import functools
+import threading
+import time
+from dataclasses import dataclass
+
+from accelerate.utils import broadcast_object_list
+from datasets import IterableDataset
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+# Seconds between the warnings of a trainer that waits on the rollout server
+WAIT_WARNING_INTERVAL = 60.0
+
+
+def check_async_setup(args, train_dataset):
+    """Refuses, before any model loads, the settings asynchronous rollouts (`max_staleness > 0`) do not support."""
+    if args.max_staleness == 0:
+        return
+    fix = "Set max_staleness=0 (synchronous rollouts), or"
+    if not (args.use_vllm and args.vllm_mode == "server"):
+        raise ValueError(
+            f"max_staleness={args.max_staleness} overlaps generation on a vLLM server with training, so it needs "
+            f"use_vllm=True and vllm_mode='server'. {fix} sample on a vLLM server (docs/vllm.md)."
+        )
+    if args.steps_per_generation > 1 or args.num_iterations > 1:
+        raise ValueError(
+            f"max_staleness={args.max_staleness} is supported with one optimizer step per rollout batch only, got "
+            f"steps_per_generation={args.steps_per_generation} and num_iterations={args.num_iterations}. {fix} set "
+            "both to 1."
+        )
+    if isinstance(train_dataset, IterableDataset):
+        raise ValueError(
+            f"max_staleness={args.max_staleness} needs to know the prompts of the next rollout batches, which it "
+            f"draws from a map-style dataset with the trainer's sampler. {fix} load the dataset without streaming."
+        )
+
+
+def sample_on_server(generation, prompt_ids):
+    """One completion per prompt of `prompt_ids` from the server of `generation` (TRL's `VLLMGeneration`), with the
+    sampling parameters TRL's `VLLMGeneration.generate` sends. Unlike it, no collective runs, so that a background
+    thread of the main process can call it: the prompts are the whole rollout batch, every process's. Returns
+    `(completion_ids, logprobs)` as it does."""
+    output = generation.vllm_client.generate(
+        prompts=prompt_ids,
+        n=1,
+        repetition_penalty=generation.repetition_penalty,
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        top_k=generation.top_k,
+        min_p=0.0 if generation.min_p is None else generation.min_p,
+        max_tokens=generation.max_completion_length,
+        logprobs=generation.logprobs,
+        structured_outputs_regex=generation.structured_outputs_regex,
+        generation_kwargs=generation.generation_kwargs,
+    )
+    return output["completion_ids"], output["logprobs"]
+
+
+def rollout_batches(dataset, sampler, rows_per_rollout, start=0):
+    """The rows of each rollout batch, in the order `sampler` (the trainer's `RepeatSampler`, which repeats each
+    batch's indices once per micro-step that uses it) draws them, epoch after epoch, from rollout `start` on."""
+    index, indices = 0, []
+    while True:
+        for position in sampler:
+            indices.append(position)
+            if len(indices) < rows_per_rollout * sampler.repeat_count:
+                continue
+            if index >= start:
+                yield [dataset[position] for position in indices[:rows_per_rollout]]
+            index, indices = index + 1, []
+
+
+class RolloutServerError(RuntimeError):
+    """The rollout server failed while it sampled ahead: the rollout batch is lost, and no update used any of it."""
+
+
+@dataclass
+class Rollout:
+    """One rollout batch: its rows, their prompt ids and, once sampled, the completions, the sampler's log-probability
+    of each token and the weight version that sampled them."""
+
+    index: int
+    rows: list
+    prompt_ids: list
+    completion_ids: list | None = None
+    logprobs: list | None = None
+    version: int | None = None
+
+
+@dataclass
+class TakeStatistics:
+    """What [`RolloutProducer.take`] measured: the rollout's staleness (optimizer steps between its sampling and its
+    first update), the rollouts dropped as too stale before it, and the seconds the trainer waited for it."""
+
+    staleness: int
+    dropped: int
+    wait_seconds: float
+
+
+class RolloutProducer:
+    """
+    Samples submitted rollout batches in order on a daemon thread, each as soon as the staleness bound allows.
+
+    Args:
+        request (`Callable[[list[list[int]]], tuple[list, list]]`):
+            Samples one completion per prompt: `(completion_ids, logprobs)` (see [`sample_on_server`]). Called with
+            the producer's lock held, by the thread, or by the trainer to regenerate a dropped rollout.
+        max_staleness (`int`):
+            s >= 1: rollout k, first updated on at version k, is sampled with a version >= k - s.
+        version (`int`):
+            The weight version the server holds now (the trainer's `global_step`, after syncing).
+        server (`str`):
+            The server's URL, for error messages.
+    """
+
+    def __init__(self, request, max_staleness, version, server):
+        self.request = request
+        self.max_staleness = max_staleness
+        self.version = version
+        self.server = server
+        # Held around each request and each weight sync: the server never samples with half-updated weights
+        self.lock = threading.Lock()
+        self._condition = threading.Condition()
+        self._pending = collections.deque()  # submitted, not sampled yet
+        self._ready = collections.deque()  # sampled, not taken yet
+        self._error = None
+        self._stopped = False
+        self._sampler_wait = 0.0
+        self._thread = threading.Thread(target=self._run, name="tvopd-rollout-producer", daemon=True)
+        self._thread.start()
+
+    def submit(self, rollout):
+        """Queues `rollout` (its `index`: the version of its first update) for sampling, after those submitted."""
+        with self._condition:
+            self._pending.append(rollout)
+            self._condition.notify_all()
+
+    def _startable(self):
+        return self._pending and self._pending[0].index - self.max_staleness <= self.version
+
+    def _run(self):
+        idle_since = time.monotonic()
+        try:
+            while True:
+                with self._condition:
+                    while not self._stopped and not self._startable():
+                        self._condition.wait()
+                    if self._stopped:
+                        return
+                    rollout = self._pending.popleft()
+                with self.lock:
+                    with self._condition:
+                        self._sampler_wait += time.monotonic() - idle_since
+                    rollout.version = self.version
+                    rollout.completion_ids, rollout.logprobs = self.request(rollout.prompt_ids)
+                    idle_since = time.monotonic()
+                with self._condition:
+                    self._ready.append(rollout)
+                    self._condition.notify_all()
+        except BaseException as error:  # noqa: BLE001  (handed to the trainer, which raises it)
+            with self._condition:
+                self._error = error
+                self._condition.notify_all()
+
+    def _failure(self, error):
+        return RolloutServerError(
+            f"The vLLM rollout server at {self.server} failed while sampling a rollout batch ahead of training "
+            f"({type(error).__name__}: {error}). No update used any of that batch; the checkpoints already written "
+            "are untouched. Restart the server and resume from the last checkpoint (`--resume_from_checkpoint last`)."
+        )
+
+    def take(self, index):
+        """The sampled rollout `index`, waiting for it. One sampled with weights more than `max_staleness` versions
+        older than `index` (the trainer's version now) is dropped and sampled again at once, with the current
+        weights. Raises [`RolloutServerError`] when the server failed."""
+        start = time.monotonic()
+        next_warning = start + WAIT_WARNING_INTERVAL
+        with self._condition:
+            while not self._ready and self._error is None:
+                self._condition.wait(timeout=max(next_warning - time.monotonic(), 0.0))
+                if time.monotonic() >= next_warning:
+                    logger.warning(
+                        f"Waiting {time.monotonic() - start:.0f} s for rollout batch {index} from the vLLM server at "
+                        f"{self.server}."
+                    )
+                    next_warning += WAIT_WARNING_INTERVAL
+            if not self._ready:  # a batch sampled before the failure is whole, and trains
+                raise self._failure(self._error) from self._error
+            rollout = self._ready.popleft()
+        if rollout.index != index:
+            raise RuntimeError(f"Rollout batch {rollout.index} came back where batch {index} was due.")
+        dropped = 0
+        if index - rollout.version > self.max_staleness:
+            dropped = 1
+            with self.lock:
+                rollout.version = self.version
+                try:
+                    rollout.completion_ids, rollout.logprobs = self.request(rollout.prompt_ids)
+                except Exception as error:
+                    raise self._failure(error) from error
+        return rollout, TakeStatistics(index - rollout.version, dropped, time.monotonic() - start)
+
+    def update_weights(self, sync):
+        """Runs `sync` (the trainer's weight sync after an optimizer step) between two requests, and moves to the next
+        version. Returns the seconds spent waiting for the request in flight."""
+        start = time.monotonic()
+        with self.lock:
+            waited = time.monotonic() - start
+            if self._error is not None:
+                raise self._failure(self._error) from self._error
+            try:
+                sync()
+            except Exception as error:
+                raise self._failure(error) from error
+            with self._condition:
+                self.version += 1
+                self._condition.notify_all()
+        return waited
+
+    def collect_sampler_wait(self):
+        """Seconds the server sat idle for the producer (waiting for the staleness bound, a submission or a weight
+        sync) since the last call. A request in flight is not counted until it ends."""
+        with self._condition:
+            waited, self._sampler_wait = self._sampler_wait, 0.0
+        return waited
+
+    def close(self, timeout=5.0):
+        """Stops the thread; a request in flight is abandoned (the thread is a daemon)."""
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+        self._thread.join(timeout)
+
+
+class AsyncRolloutMixin:
+    """
+    How a [`TVOPDTrainer`] samples ahead with `max_staleness > 0` (see the module's docstring).
+
+    The rollout batches come from the trainer's own sampler, iterated here ([`rollout_batches`]): from a fresh start
+    they are the batches its dataloader yields, which then only paces the loop; a resumed run picks up at the batch of
+    its `global_step`. The main process tokenizes the batches `max_staleness` ahead and a [`RolloutProducer`] samples
+    them on the server, every process's rows in one request; at each rollout batch's first step the main process takes
+    it and hands each process its share. The weight sync moves from before each rollout to right after each optimizer
+    step, under the producer's lock.
+    """
+
+    # Set inside `train()` only: the batches in order (every process), the producer (main process), the batch taken
+    # for this step, and the trainer's seconds of waiting in this step
+    _rollout_stream = None
+    _rollouts = None
+    _taken_rollout = None
+    _trainer_wait = 0.0
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._rollouts is not None:
+                self._rollouts.close()
+            self._rollout_stream = self._rollouts = self._taken_rollout = None
+
+    def _rollout_lock(self):
+        return self._rollouts.lock if self._rollouts is not None else contextlib.nullcontext()
+
+    def _start_rollouts(self):
+        # Fresh or resumed, the server gets the weights of this step before it samples anything: a rollout in flight is
+        # never part of a checkpoint, and a resumed run samples again with the restored weights.
+        version = self.state.global_step  # one optimizer step per rollout batch: the index of this step's batch
+        self.vllm_generation.sync_weights()  # on every process: under ZeRO-3 and FSDP the gathers are collectives
+        self._rollout_stream = rollout_batches(
+            self.train_dataset, self._get_train_sampler(), self._global_rollout_size, start=version
+        )
+        if self.accelerator.is_main_process:
+            client = self.vllm_generation.vllm_client
+            self._rollouts = RolloutProducer(
+                functools.partial(sample_on_server, self.vllm_generation),
+                self.args.max_staleness,
+                version,
+                server=client.base_url,
+            )
+            for index in range(version, version + self.args.max_staleness + 1):
+                self._submit_rollout(index)
+
+    def _submit_rollout(self, index):
+        rows = next(self._rollout_stream)
+        # Tokenized here, in the main thread: a fast tokenizer must not be used by two threads at once
+        prompt_ids = super()._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
+        self._rollouts.submit(Rollout(index, rows, self._truncate_prompts(prompt_ids)[0]))
+
+    def _take_rollout(self):
+        """This process's rows of the rollout batch of this step, its completions kept for `_taken_completions`."""
+        if self._rollout_stream is None:
+            self._start_rollouts()
+        index = self.state.global_step
+        payload = None
+        if self._rollouts is not None:
+            try:
+                rollout, statistics = self._rollouts.take(index)
+            except RolloutServerError as failure:
+                payload = failure  # every process raises it, rather than wait for a batch that will not come
+            else:
+                self._submit_rollout(index + self.args.max_staleness + 1)
+                payload = (rollout.prompt_ids, rollout.completion_ids, rollout.logprobs, statistics)
+                rows = rollout.rows
+        if self.accelerator.num_processes > 1:
+            payload = broadcast_object_list([payload], from_process=0)[0]
+        if isinstance(payload, RolloutServerError):
+            raise payload
+        if self._rollouts is None:
+            rows = next(self._rollout_stream)
+        prompt_ids, completion_ids, logprobs, statistics = payload
+        # The processes' shares in order, as TRL's `VLLMGeneration` slices a server's answer
+        size = len(rows) // self.accelerator.num_processes
+        share = slice(self.accelerator.process_index * size, (self.accelerator.process_index + 1) * size)
+        self._taken_rollout = (prompt_ids[share], completion_ids[share], logprobs[share])
+        metrics = self._metrics["train"]
+        metrics["async/staleness/mean"].append(float(statistics.staleness))
+        metrics["async/staleness/max"].append(float(statistics.staleness))
+        metrics["async/dropped"].append(float(statistics.dropped))
+        self._trainer_wait = statistics.wait_seconds
+        return rows[share]
+
+    def _taken_completions(self, prompt_ids):
+        """`(completion_ids, logprobs)` of the batch `_take_rollout` took, for its rows' `prompt_ids`."""
+        taken_prompt_ids, completion_ids, logprobs = self._taken_rollout
+        self._taken_rollout = None
+        if [list(ids) for ids in prompt_ids] != [list(ids) for ids in taken_prompt_ids]:
+            raise RuntimeError(
+                "The prompts of the rollout batch sampled ahead differ from those being trained on: the chat template "
+                "or the tokenizer changed between the two tokenizations."
+            )
+        return completion_ids, logprobs
+
+    def _sync_rollout_weights(self):
+        """Right after an optimizer step: the server gets the new weights between two requests."""
+        if self._rollouts is None:
+            self.vllm_generation.sync_weights()
+            waited = 0.0
+        else:
+            waited = self._rollouts.update_weights(self.vllm_generation.sync_weights)
+        metrics = self._metrics["train"]
+        metrics["async/wait_seconds/trainer"].append(self._trainer_wait + waited)
+        sampler_wait = self._rollouts.collect_sampler_wait() if self._rollouts is not None else 0.0
+        metrics["async/wait_seconds/sampler"].append(sampler_wait)
+
+    def log(self, logs, start_time=None):
+        # TRL averages every metric over the logging window; these two are its maximum and its total.
+        metrics = self._metrics["train"]
+        if metrics.get("async/staleness/max"):
+            metrics["async/staleness/max"] = [max(metrics["async/staleness/max"])]
+        if metrics.get("async/dropped"):
+            metrics["async/dropped"] = [sum(metrics["async/dropped"])]
+        return super().log(logs, start_time)
