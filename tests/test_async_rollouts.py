@@ -119,7 +119,7 @@ def test_a_server_failure_in_the_producer_is_one_clear_error_at_the_trainer():
         producer._thread.join(5)  # the thread ends on the failed request for rollout 1
         producer.take(0)  # sampled before the failure: whole, it trains
         # the weight sync after its step does not reach the dead server, nor does the next rollout come
-        with pytest.raises(RolloutServerError, match="No update used any of that batch"):
+        with pytest.raises(RolloutServerError, match="No update used any batch it did not finish"):
             producer.update_weights(lambda: pytest.fail("synced to a failed server"))
         with pytest.raises(RolloutServerError, match=f"rollout server at {SERVER} failed.*Connection refused.*resume"):
             producer.take(1)

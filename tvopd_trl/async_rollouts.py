@@ -189,11 +189,11 @@ class RolloutProducer:
                 self._error = error
                 self._condition.notify_all()
 
-    def _failure(self, error):
+    def _failure(self, error, doing="sampling a rollout batch ahead of training"):
         return RolloutServerError(
-            f"The vLLM rollout server at {self.server} failed while sampling a rollout batch ahead of training "
-            f"({type(error).__name__}: {error}). No update used any of that batch; the checkpoints already written "
-            "are untouched. Restart the server and resume from the last checkpoint (`--resume_from_checkpoint last`)."
+            f"The vLLM rollout server at {self.server} failed while {doing} ({type(error).__name__}: {error}). No "
+            "update used any batch it did not finish; the checkpoints already written are untouched. Restart the "
+            "server and resume from the last checkpoint (`--resume_from_checkpoint last`)."
         )
 
     def take(self, index):
@@ -238,7 +238,7 @@ class RolloutProducer:
             try:
                 sync()
             except Exception as error:
-                raise self._failure(error) from error
+                raise self._failure(error, "loading the weights of the last optimizer step") from error
             with self._condition:
                 self.version += 1
                 self._condition.notify_all()

