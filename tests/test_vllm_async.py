@@ -54,16 +54,15 @@ def tokenizer():
 
 
 def async_trainer(output_dir, server, tokenizer, callbacks=(), **overrides):
-    args = tiny_config(
-        output_dir,
+    settings = dict(
         per_device_train_batch_size=8,
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=server.url,
         vllm_server_weights_dir=str(output_dir / "weights"),
         max_staleness=1,
-        **overrides,
     )
+    args = tiny_config(output_dir, **{**settings, **overrides})
     return TVOPDTrainer(
         model=PAIR["student"],
         teacher_model=PAIR["teacher"],
@@ -159,6 +158,31 @@ def test_the_background_request_is_trls(trained):
     assert sent[0] == sent[1]
 
 
+def test_with_a_sampler_blind_to_the_weights_asynchronous_training_is_the_synchronous_one(server, tokenizer, tmp_path):
+    """A stand-in for the server's sampling that ignores the weights (the weight syncs still reach the real server):
+    staleness then changes nothing, so that the same prompts, completions and sampler log-probabilities must give the
+    synchronous run's losses and parameters, bit for bit."""
+
+    def blind(prompts, **kwargs):
+        completions = [[(sum(ids) * (i + 3)) % 250 + 20 for i in range(6)] + [tokenizer.eos_token_id] for ids in prompts]
+        logprobs = [[[-0.1 * (j + 1)] for j in range(7)] for _ in prompts]
+        return {"prompt_ids": prompts, "completion_ids": completions, "logprobs": logprobs, "logprob_token_ids": None}
+
+    runs = {}
+    for staleness in (0, 2):
+        trainer = async_trainer(tmp_path / str(staleness), server, tokenizer, max_steps=4, max_staleness=staleness)
+        trainer.vllm_generation.vllm_client.generate = blind
+        trainer.train()
+        parameters = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        runs[staleness] = (step_logs(trainer.state.log_history), parameters)
+    (synchronous, synchronous_parameters), (asynchronous, asynchronous_parameters) = runs[0], runs[2]
+    assert torch.equal(synchronous_parameters, asynchronous_parameters)
+    for step in (1, 2, 3, 4):
+        assert asynchronous[step]["async/staleness/max"] == min(step - 1, 2)
+        for key in ("loss", "tv/estimate", "tv/scale", "sampling/sampling_logp_difference/mean"):
+            assert asynchronous[step][key] == synchronous[step][key], (step, key)
+
+
 CLI = [
     "--config", "tiny/vllm_server", "--max_staleness", "1", "--per_device_train_batch_size", "16",
     "--learning_rate", "1e-2", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "3",
@@ -210,6 +234,21 @@ def test_a_killed_run_resumes_through_the_cli_sampling_with_the_restored_weights
     # The scheduler continues from the checkpoint's state, exactly
     assert first["tv/scale"] == scheduler.scale
     assert max(logs) == resumed_from + 3
+
+
+def test_two_processes_train_on_their_shares_of_each_batch_sampled_ahead(server, tmp_path):
+    from .test_distributed import launch
+
+    first, second = launch("ddp_cpu.yaml", "vllm_async_ddp.py", tmp_path, server.url, timeout=600)
+    # Each rank trains on its share of the batch the main process had sampled, which is the share its own dataloader
+    # yields: the two halves of one global batch
+    for rank in (first, second):
+        assert rank["trained"] == rank["loaded"] and len(rank["trained"]) == 3
+    assert all(set(a).isdisjoint(b) for a, b in zip(first["trained"], second["trained"], strict=True))
+    assert [entry["async/staleness/max"] for entry in first["logs"]] == [0, 1, 1]
+    # ... with the sampler's log-probabilities of its own rows: at step 1 they are the trainer's, up to kernels
+    assert all(rank["logs"][0]["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE for rank in (first, second))
+    assert torch.equal(first["tensors"]["parameters"], second["tensors"]["parameters"])
 
 
 def test_a_server_killed_mid_run_stops_the_run_with_one_clear_error(server, tokenizer, tmp_path):

@@ -1,0 +1,68 @@
+"""2-process DDP with asynchronous rollouts (`max_staleness=1`) from a real vLLM server: each rank records the rows it
+trained on at each step, the staleness it logged and its final parameters.
+
+    accelerate launch --config_file recipes/accelerate_configs/ddp_cpu.yaml vllm_async_ddp.py OUTPUT_DIR SERVER_URL
+
+tests/test_vllm_async.py starts the server and checks the ranks against each other and against the dataloader.
+"""
+
+import sys
+
+import torch
+from accelerate.utils import DistributedType
+from common import check_launch, finish, save_rank_result
+from transformers import AutoTokenizer
+
+from tvopd_trl import TVOPDConfig, TVOPDTrainer
+from tvopd_trl.tiny import prompt_dataset, vllm_paths
+
+
+def main(output_dir, url):
+    pair = vllm_paths()
+    args = TVOPDConfig(
+        output_dir=output_dir,
+        use_cpu=True,  # the CPU request that makes the two processes one gloo group (see ddp_cpu.yaml)
+        per_device_train_batch_size=4,
+        max_steps=3,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_server_weights_dir=f"{output_dir}/weights",
+        max_staleness=1,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(pair["student"], padding_side="left")
+    trainer = TVOPDTrainer(
+        model=pair["student"],
+        teacher_model=pair["teacher"],
+        args=args,
+        train_dataset=prompt_dataset("opd", 32),
+        processing_class=tokenizer,
+    )
+    check_launch(trainer.accelerator, DistributedType.MULTI_CPU)
+    trained, take = [], trainer._take_rollout
+
+    def recording_take():
+        rows = take()
+        trained.append([row["prompt"][0]["content"] for row in rows])
+        return rows
+
+    trainer._take_rollout = recording_take
+    loaded = [[row["prompt"][0]["content"] for row in batch] for batch in list(trainer.get_train_dataloader())[:3]]
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    parameters = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    result = {"trained": trained, "loaded": loaded, "logs": logs}
+    save_rank_result(output_dir, trainer.accelerator, result, tensors={"parameters": parameters})
+    finish(output_dir, trainer.accelerator)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
