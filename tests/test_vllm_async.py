@@ -164,7 +164,9 @@ def test_with_a_sampler_blind_to_the_weights_asynchronous_training_is_the_synchr
     synchronous run's losses and parameters, bit for bit."""
 
     def blind(prompts, **kwargs):
-        completions = [[(sum(ids) * (i + 3)) % 250 + 20 for i in range(6)] + [tokenizer.eos_token_id] for ids in prompts]
+        completions = [
+            [(sum(ids) * (i + 3)) % 250 + 20 for i in range(6)] + [tokenizer.eos_token_id] for ids in prompts
+        ]
         logprobs = [[[-0.1 * (j + 1)] for j in range(7)] for _ in prompts]
         return {"prompt_ids": prompts, "completion_ids": completions, "logprobs": logprobs, "logprob_token_ids": None}
 
