@@ -12,6 +12,7 @@ import pytest
 import torch
 from trl import DistillationConfig, ModelConfig, SFTConfig
 
+from tvopd_trl import async_rollouts as async_rollouts_module
 from tvopd_trl import callbacks as callbacks_module
 from tvopd_trl import metrics as metrics_module
 from tvopd_trl import scoring as scoring_module
@@ -155,15 +156,18 @@ def test_every_docs_page_is_linked_from_the_readme_and_the_index():
 # Names: metrics and config fields
 # ----------------------------------------------------------------------------------------------------------------------
 
-METRIC_GROUPS = ("tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "teacher", "completions")
+METRIC_GROUPS = (
+    "tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "teacher", "async", "completions",
+)  # fmt: skip
 METRIC = re.compile(rf"(?:eval_)?(?:{'|'.join(METRIC_GROUPS)})/[\w/@*<>]+|(?:eval_)?policy_loss|eval/[\w/@<>]+")
 
 
 def _logged_metrics():
     """The metric names TVOPDTrainer records (its source is the source of truth), and those TRL's base trainer adds."""
     names = "|".join(METRIC_GROUPS[:-1])
-    # The trainer logs its own metrics, those of `metrics.StepStatistics` and those of its callbacks
-    source = "".join(inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module))
+    # The trainer logs its own metrics, those of `metrics.StepStatistics`, its callbacks' and its rollout producer's
+    modules = (trainer_module, metrics_module, callbacks_module, async_rollouts_module)
+    source = "".join(inspect.getsource(module) for module in modules)
     ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', source))
     # Per teacher: `_scale_metric("tv/scale", index)` logs `tv/<teacher>/scale`; StepStatistics `kl/<teacher>/...`
     ours |= {f"tv/<teacher>/{key}" for key in re.findall(r'_scale_metric\("tv/(\w+)"', source)}

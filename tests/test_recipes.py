@@ -31,8 +31,9 @@ UNSTATED = "not stated in the paper"
 # Keys in which the recipes of one pair may differ from its tvopd.yaml: the method and where it writes.
 METHOD_KEYS = {"output_dir", "advantage_mode", "advantage_clip_low", "advantage_clip_high", "power_gamma"}
 METHOD_KEYS |= {"tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps"}
-# ... and the vLLM variants in their rollout engine and, for a server on half the GPUs, their process layout.
-VLLM_KEYS = {"use_vllm", "num_processes", "gradient_accumulation_steps"}
+# ... and the vLLM variants in their rollout engine and, for a server on half the GPUs, their process layout, and in
+# sampling ahead of the trainers (`max_staleness`).
+VLLM_KEYS = {"use_vllm", "num_processes", "gradient_accumulation_steps", "max_staleness"}
 # ... and a served teacher in where it runs.
 SERVED_TEACHER_KEYS = {"teacher_model_server_url", "teacher_model_server_timeout", "teacher_model_init_kwargs"}
 
@@ -92,7 +93,10 @@ def test_every_opd_recipe_parses_into_tvopd_config(path, without_vllm):
 @pytest.mark.parametrize("path", [p for p in OPD_RECIPES if load(p).get("use_vllm")], ids=rel)
 def test_vllm_recipes_parse_without_vllm_installed(path, without_vllm):
     _, training_args, *_ = parse_opd(path)
-    assert training_args.use_vllm and training_args.vllm_mode == path.stem.rsplit("_", 1)[-1]
+    # [tvopd_]vllm_<mode>.yaml, and tvopd_vllm_server_async.yaml: server mode, sampling ahead
+    mode = path.stem.split("vllm_", 1)[1]
+    assert training_args.use_vllm and training_args.vllm_mode == mode.removesuffix("_async")
+    assert training_args.max_staleness == (1 if mode.endswith("_async") else 0)
 
 
 def test_sft_recipe_parses_into_sft_config_and_builds_the_opd_student(without_vllm):
