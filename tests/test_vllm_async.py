@@ -46,7 +46,7 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(PAIR["student"], padding_side="left")
 
 
-def async_trainer(output_dir, server, tokenizer, callbacks=(), **overrides):
+def async_trainer(output_dir, server, tokenizer, callbacks=(), eval_dataset=None, **overrides):
     settings = dict(
         per_device_train_batch_size=8,
         use_vllm=True,
@@ -61,6 +61,7 @@ def async_trainer(output_dir, server, tokenizer, callbacks=(), **overrides):
         teacher_model=PAIR["teacher"],
         args=args,
         train_dataset=prompt_dataset("opd", 64),
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         callbacks=list(callbacks),
     )
@@ -72,8 +73,18 @@ def step_logs(history):
 
 @pytest.fixture(scope="module")
 def trained(server, tokenizer, tmp_path_factory):
-    """4 steps at max_staleness 1 and lr 1e-2 (the weights move far in a step), and the batches' prompts."""
-    trainer = async_trainer(tmp_path_factory.mktemp("async"), server, tokenizer, max_steps=4)
+    """4 steps at max_staleness 1 and lr 1e-2 (the weights move far in a step), evaluated after steps 2 and 4 (through
+    the same server, between the producer's requests), and the batches' prompts."""
+    trainer = async_trainer(
+        tmp_path_factory.mktemp("async"),
+        server,
+        tokenizer,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=8,
+        eval_dataset=prompt_dataset("opd", 8),
+    )
     prompts = []
     take = trainer._take_rollout
 
@@ -100,6 +111,9 @@ def test_rollouts_are_sampled_one_step_ahead_and_counted(trained):
     dataloader = trainer.get_train_dataloader()
     assert prompts == [[row["prompt"] for row in batch] for batch in list(dataloader)[:4]]
     assert trainer._rollouts is None  # stopped at the end of `train()`
+    # Evaluation inside the run samples from the server, whose weights are the current ones
+    evaluations = [entry for entry in trainer.state.log_history if "eval_tv/estimate" in entry]
+    assert [entry["step"] for entry in evaluations] == [2, 4]
 
 
 def test_pi_old_is_the_learners_and_the_sampler_enters_through_the_importance_weight(trained):
