@@ -156,18 +156,15 @@ def test_every_docs_page_is_linked_from_the_readme_and_the_index():
 # Names: metrics and config fields
 # ----------------------------------------------------------------------------------------------------------------------
 
-METRIC_GROUPS = (
-    "tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "teacher", "async", "completions",
-)  # fmt: skip
+METRIC_GROUPS = ("tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "teacher", "completions")
 METRIC = re.compile(rf"(?:eval_)?(?:{'|'.join(METRIC_GROUPS)})/[\w/@*<>]+|(?:eval_)?policy_loss|eval/[\w/@<>]+")
 
 
 def _logged_metrics():
     """The metric names TVOPDTrainer records (its source is the source of truth), and those TRL's base trainer adds."""
     names = "|".join(METRIC_GROUPS[:-1])
-    # The trainer logs its own metrics, those of `metrics.StepStatistics`, its callbacks' and its rollout producer's
-    modules = (trainer_module, metrics_module, callbacks_module, async_rollouts_module)
-    source = "".join(inspect.getsource(module) for module in modules)
+    # The trainer logs its own metrics, those of `metrics.StepStatistics` and those of its callbacks
+    source = "".join(inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module))
     ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', source))
     # Per teacher: `_scale_metric("tv/scale", index)` logs `tv/<teacher>/scale`; StepStatistics `kl/<teacher>/...`
     ours |= {f"tv/<teacher>/{key}" for key in re.findall(r'_scale_metric\("tv/(\w+)"', source)}
@@ -180,6 +177,8 @@ def _logged_metrics():
     ours |= {f"teacher/{stat}" for stat in stats} | {f"teacher/<teacher>/{stat}" for stat in stats}
     assert 'f"advantage/{name}"' in source
     ours |= {f"advantage/{name}" for name in advantage_dispersion(torch.zeros(0))}
+    # Asynchronous rollouts' metrics (`max_staleness`), which the trainer's `AsyncRolloutMixin` records
+    ours |= set(re.findall(r'"(async/[\w/]+)"', inspect.getsource(async_rollouts_module)))
     from trl.trainer import distillation_trainer
 
     trl_names = set(re.findall(r'_metrics\[mode\]\["(completions/\w+)"\]', inspect.getsource(distillation_trainer)))
