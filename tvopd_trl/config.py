@@ -457,10 +457,10 @@ class TVOPDConfig(DistillationConfig):
             )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
         if self.vllm_importance_sampling_cap <= 0:
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
         if self.teacher_model_server_request_timeout <= 0 or self.teacher_model_server_retries < 0:
             raise ValueError(
                 "teacher_model_server_request_timeout must be > 0 and teacher_model_server_retries >= 0, got "
