@@ -23,6 +23,7 @@ class StandIn:
         self.seconds, self.fail_at = seconds, fail_at
         self.producer = None
         self.calls = []
+        self.started = []
         self.in_request = threading.Event()
 
     def __call__(self, prompt_ids):
@@ -30,6 +31,7 @@ class StandIn:
             raise ConnectionError("Connection refused")
         self.in_request.set()
         self.calls.append((prompt_ids[0][0], self.producer.version))
+        self.started.append(time.monotonic())
         time.sleep(self.seconds)
         self.in_request.clear()
         return [[1, 2]] * len(prompt_ids), [[[-0.5], [-0.25]]] * len(prompt_ids)
@@ -70,9 +72,11 @@ def test_rollouts_come_in_order_and_are_sampled_within_the_staleness_bound(max_s
             producer.update_weights(sync_checking(request))
     finally:
         producer.close()
-    # Each rollout was requested with the oldest weights the bound allows: k - s once the pipeline is full
+    # Each rollout was requested as soon as the bound allowed, ahead of the trainer: with the weights of step k - s
+    # (later only if the thread was slow to start it)
     versions = dict(request.calls)
-    assert all(versions[index] == max(index - max_staleness, 0) for index in range(8))
+    assert all(versions[index] >= max(index - max_staleness, 0) for index in range(8))
+    assert sum(versions[index] == index - max_staleness for index in range(max_staleness, 8)) >= 8 - max_staleness - 2
 
 
 def test_the_producer_samples_ahead_while_the_trainer_trains():
@@ -81,12 +85,13 @@ def test_the_producer_samples_ahead_while_the_trainer_trains():
         submit(producer, 0)
         submit(producer, 1)
         producer.take(0)
-        started = time.monotonic()
-        time.sleep(0.25)  # train on rollout 0 while rollout 1 is sampled
+        time.sleep(0.5)  # train on rollout 0 while rollout 1 is sampled
+        trained = time.monotonic()
         producer.update_weights(sync_checking(request))
         _, statistics = producer.take(1)
-        assert statistics.wait_seconds < 0.05  # ready: it was sampled during the training
-        assert time.monotonic() - started < 0.4  # sequential generation and training would take 0.45 s
+        assert request.started[1] < trained  # sampled during the training, with the weights before its step
+        assert request.calls[1] == (1, 0)
+        assert statistics.wait_seconds < 0.2  # less than a request: it was ready
     finally:
         producer.close()
 
@@ -128,12 +133,19 @@ def test_a_server_failure_in_the_producer_is_one_clear_error_at_the_trainer():
 
 
 def test_a_slow_server_shows_in_the_trainers_wait(monkeypatch):
-    monkeypatch.setattr("tvopd_trl.async_rollouts.WAIT_WARNING_INTERVAL", 0.1)
+    from transformers.testing_utils import CaptureLogger
+
+    from tvopd_trl import async_rollouts
+
+    monkeypatch.setattr(async_rollouts, "WAIT_WARNING_INTERVAL", 0.1)
     producer, request = start(1, seconds=0.35)
     try:
         submit(producer, 0)
-        _, statistics = producer.take(0)
-        assert 0.3 < statistics.wait_seconds < 1.0
+        with CaptureLogger(async_rollouts.logger) as captured:
+            _, statistics = producer.take(0)
+        assert 0.3 < statistics.wait_seconds < 3.0
+        # ... and in the log while it lasts: not a silent hang
+        assert f"for rollout batch 0 from the vLLM server at {SERVER}" in captured.out
         # the server was never idle for want of work: it sampled as soon as rollout 0 was submitted
         assert producer.collect_sampler_wait() < 0.1
     finally:
@@ -148,7 +160,7 @@ def test_the_sampler_wait_is_the_servers_idle_time():
         time.sleep(0.2)  # nothing submitted: the server idles
         submit(producer, 1)
         producer.take(1)
-        assert 0.15 < producer.collect_sampler_wait() < 0.5
+        assert 0.15 < producer.collect_sampler_wait() < 2.0
         assert producer.collect_sampler_wait() == 0.0  # read and reset
     finally:
         producer.close()
