@@ -486,3 +486,29 @@ def test_served_teacher_statistics_are_reduced_over_processes(served_stats_run):
             {key: value for key, value in entry.items() if key.startswith("teacher/")} for entry in result["logs"]
         ]
         assert logged == expected, result["rank"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A task reward whose groups span both processes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory):
+    return launch("ddp_cpu.yaml", "ddp_reward.py", tmp_path_factory.mktemp("reward"))
+
+
+def test_reward_groups_are_normalised_over_the_processes_that_hold_them(reward_run):
+    first, second = reward_run
+    assert len(first["rollouts"]) == len(second["rollouts"]) == 3
+    for step, (own, other) in enumerate(zip(first["rollouts"], second["rollouts"], strict=True)):
+        # One prompt's 8 samples, 4 on each rank
+        assert len(own["prompts"]) == len(other["prompts"]) == 4
+        assert len(set(own["prompts"] + other["prompts"])) == 1, step
+        rewards = torch.tensor(own["rewards"] + other["rewards"])
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        assert rewards.std() > 0, step
+        got = torch.tensor(own["advantages"] + other["advantages"])
+        torch.testing.assert_close(got, expected)
+    for key in ("reward", "reward_std", "rewards/token_sum/mean", "advantage/reward_abs_mean", "loss"):
+        assert [entry[key] for entry in first["logs"]] == [entry[key] for entry in second["logs"]], key
