@@ -145,7 +145,33 @@ def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
     assert "Subtraction gap closed" in tables and "One teacher (addition)" in tables
 
 
-@pytest.mark.parametrize("name", ["study", "study_smoke", "study_multi_teacher", "study_long"])
+def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
+    with open("recipes/tiny/study_reward.yaml") as f:
+        raw = yaml.safe_load(f)
+    overrides = {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1, "eval_problems": 8}
+    raw |= {
+        "output_dir": str(tmp_path / "runs"),
+        "results_dir": str(tmp_path / "results"),
+        "seeds": [0],
+        "methods": {slug: raw["methods"][slug] for slug in ("tv", "tv_reward_1")},
+        "overrides": overrides | {"eval_k": 2, "eval_every_steps": 2},
+        "analysis": {"late_window": [2, 4, 2], "reward_methods": ["tv_reward_1"]},
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    assert cli(["study", "--config", str(path)]) == 0
+
+    results = tmp_path / "results"
+    for name in ("README.md", "tables.md", "curves.png", "tv_scale.png", "reward.png", "reward_to_distill.png"):
+        assert (results / name).is_file(), name
+    aggregates = json.loads((results / "results.json").read_text())["aggregates"]
+    summary = json.loads((tmp_path / "runs" / "tv_reward_1" / "seed-0" / "summary.json").read_text())
+    assert aggregates["Teacher"][0] == summary["teacher_accuracy"]
+    assert aggregates["Reward"]["TV-OPD + reward (alpha=1)"]["final"][0] == summary["student_accuracy_after"]
+    assert "| Teacher |" in (results / "tables.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["study", "study_smoke", "study_multi_teacher", "study_long", "study_reward"])
 def test_every_shipped_study_file_loads(name):
     study = load_study(f"recipes/tiny/{name}.yaml")
     assert len(grid(study)) == len(study.methods) * len(study.seeds)
