@@ -486,3 +486,40 @@ def test_served_teacher_statistics_are_reduced_over_processes(served_stats_run):
             {key: value for key, value in entry.items() if key.startswith("teacher/")} for entry in result["logs"]
         ]
         assert logged == expected, result["rank"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# padding_free with a token budget on sharded models (ZeRO-3 here, FSDP2 in tests/test_fsdp.py)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero3_padding_free_run(tmp_path_factory):
+    return launch("zero3_cpu.yaml", "padding_free.py", tmp_path_factory.mktemp("padding_free_zero3"), "zero3")
+
+
+def check_sharded_padding_free_run(run):
+    """What tests/distributed_scripts/padding_free.py recorded: the ranks ran as many forwards as each other, even
+    where the budget gave rank 0 fewer; the packed log-probabilities and loss equal the padded ones; training and the
+    backward through unequal forwards finished (the launch would have timed out otherwise)."""
+    first, second = run
+    for a, b in zip(first["logs"], second["logs"], strict=True):
+        assert math.isfinite(a["loss"]) and a["loss"] == b["loss"]
+    for result in run:
+        assert result["backward_done"]
+    for chunks in ("trained_chunks", "fixed_batch_chunks"):
+        assert [count for _, count in first[chunks]] == [count for _, count in second[chunks]]
+    assert [own for own, _ in first["fixed_batch_chunks"]] == [2, 2, 2, 2]
+    assert [own for own, _ in second["fixed_batch_chunks"]] == [4, 4, 4, 4]
+    for result in run:
+        tensors = result["tensors"]
+        real = tensors["completion_mask"].bool()
+        for name in ("student", "teacher"):
+            packed, padded = tensors[f"{name}_packed"], tensors[f"{name}_padded"]
+            torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+            assert (packed[~real] == 0).all()
+        torch.testing.assert_close(tensors["loss_packed"], tensors["loss_padded"], rtol=1e-5, atol=1e-6)
+
+
+def test_zero3_padding_free_runs_as_many_forwards_on_every_rank_and_equals_padded(zero3_padding_free_run):
+    check_sharded_padding_free_run(zero3_padding_free_run)
