@@ -37,26 +37,14 @@ import common
 
 FULL = dict(caps=[512, 2048], vocab=32000, hidden=64, prompt=64, batch=8, rounds=2, steps=3)
 QUICK = dict(caps=[64, 128], vocab=1024, hidden=32, prompt=8, batch=8, rounds=1, steps=3)
-LAYOUTS = ("padded", "packed", "budget")
+LAYOUTS = common.PACKING_LAYOUTS
 WARMUP_STEPS = 1
-
-
-def layout_overrides(layout, shape):
-    if layout == "padded":
-        return {}
-    budget = shape.prompt + shape.completion if layout == "budget" else None
-    return {"padding_free": True, "max_tokens_per_micro_batch": budget}
-
-
-def token_counts(shape, lengths):
-    """(real tokens, padded tokens) of one rollout, prompts included."""
-    return sum(shape.prompt + n for n in lengths), shape.batch * (shape.prompt + max(lengths))
 
 
 def measure_worker(job):
     shape = job["shape"]
     data = common.ragged_rollout(shape, job["lengths"])
-    overrides = layout_overrides(job["layout"], shape)
+    overrides = common.packing_overrides(job["layout"], shape)
     output_dir = common.scratch_dir(job["layout"])
     return common.measure_trainer_memory("tv", shape, data, job["steps"], output_dir, False, overrides)
 
@@ -78,7 +66,7 @@ def report(results):
     rows, verdicts = [], []
     for point in results:
         shape, lengths = common.Shape(**point["shape"]), point["lengths"]
-        real, padded_tokens = token_counts(shape, lengths)
+        real, padded_tokens = common.token_counts(shape, lengths)
         target = 0.8 * padded_tokens / real
         runs = point["layouts"]
         seconds = {layout: _seconds(runs[layout]) for layout in LAYOUTS}

@@ -185,6 +185,25 @@ def ragged_rollout(shape, lengths):
     return {"prompt_ids": prompt_ids, "completion_ids": completions}
 
 
+# The layouts of the loss phase that `bench_packing.py` and `bench_gpu.py --packing` compare: padded; padding_free; and
+# padding_free with forwards of at most one longest row's tokens (P + the cap), which keeps `sdpa`'s block-diagonal
+# attention, quadratic in a forward's tokens, no costlier per token than the padded rows'.
+PACKING_LAYOUTS = ("padded", "packed", "budget")
+
+
+def packing_overrides(layout, shape):
+    """The TVOPDConfig overrides of a `PACKING_LAYOUTS` layout at `shape` (T: the completions' cap)."""
+    if layout == "padded":
+        return {}
+    budget = shape.prompt + shape.completion if layout == "budget" else None
+    return {"padding_free": True, "max_tokens_per_micro_batch": budget}
+
+
+def token_counts(shape, lengths):
+    """(real tokens, padded tokens) of a rollout of completions of `lengths`, prompts included."""
+    return sum(shape.prompt + n for n in lengths), shape.batch * (shape.prompt + max(lengths))
+
+
 def sample_exactly(model, prompt_ids, new_tokens):
     """`model.generate` of exactly `new_tokens` tokens after each row of `prompt_ids` (no padding), sampled at
     temperature 1, top-k 0, top-p 1 (EOS never ends a row early); returns the (B, P + new_tokens) sequences."""
