@@ -3,6 +3,7 @@ log-probabilities, losses, gradients and updates (tiny Qwen2 models built from c
 
 import pytest
 import torch
+from peft import LoraConfig
 from transformers import AttentionInterface, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -122,6 +123,20 @@ def test_losses_and_gradients_equal_the_padded_ones_in_every_mode(make_trainer, 
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-6)
     for got, want in zip(packed_grads, padded_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_lora_student_scores_packed_as_padded_with_its_adapter(make_trainer, tmp_path):
+    # A random adapter (init_lora_weights=False), so that leaving it out would change the scores
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = make_trainer(tiny_config(tmp_path), peft_config=lora)
+    ids, mask, keep = sequences(generated(trainer))
+    padded, packed = both_layouts(trainer, lambda: trainer._sampled_token_logps(trainer.model, ids, mask, keep))
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    with trainer.model.disable_adapter():
+        _, without_adapter = both_layouts(
+            trainer, lambda: trainer._sampled_token_logps(trainer.model, ids, mask, keep)
+        )
+    assert (without_adapter - packed).abs().max() > 1e-3
 
 
 def test_several_teachers_score_their_rows_as_padded(make_trainer, model_dirs, tmp_path):

@@ -138,14 +138,13 @@ class CompletionScoringMixin:
         ]
 
     def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
-        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
-        `with_entropy`, also the detached entropy of each position's distribution, from the same pass."""
+        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens (0 at padding), scored in the
+        forwards of `_row_chunks`, padded or packed (`padding_free`); with `with_entropy`, also the detached entropy of
+        each position's distribution, from the same pass."""
         with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
         logps, entropies = [], []
         for rows in self._row_chunks(attention_mask):
-            packed = (
-                pack_rows(input_ids[rows], attention_mask[rows], logits_to_keep) if self.args.padding_free else None
-            )
+            packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
             if with_trl_kernels:
                 chunk_logps, entropy = self._fused_head_logps(
                     model, input_ids[rows], attention_mask[rows], logits_to_keep, packed, with_entropy
@@ -188,6 +187,10 @@ class CompletionScoringMixin:
             count = self.accelerator.gather(torch.tensor([len(chunks)], device=attention_mask.device)).max().item()
             chunks = token_budget_chunks(lengths, budget, count=count)
         return chunks
+
+    def _packed_rows(self, input_ids, attention_mask, logits_to_keep):
+        # With `padding_free`, the rows of a forward as one sequence of their real tokens; padded as given otherwise
+        return pack_rows(input_ids, attention_mask, logits_to_keep) if self.args.padding_free else None
 
     @property
     def _shards_models(self):
@@ -262,9 +265,7 @@ class CompletionScoringMixin:
     def _exact_divergences(self, teacher_model, input_ids, attention_mask, logits_to_keep):
         reverse_kl, tv = [], []
         for rows in self._row_chunks(attention_mask):  # the peak stays one forward's, whatever the rollout size
-            packed = (
-                pack_rows(input_ids[rows], attention_mask[rows], logits_to_keep) if self.args.padding_free else None
-            )
+            packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
             hidden_states, heads = [], []
             for wrapped in (self.model_wrapped, teacher_model):
                 unwrapped = self.accelerator.unwrap_model(wrapped)
