@@ -4,7 +4,7 @@ log-probabilities, losses, gradients and updates (tiny Qwen2 models built from c
 import pytest
 import torch
 from peft import LoraConfig
-from transformers import AttentionInterface, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tests.test_multi_teacher import routed
@@ -12,7 +12,7 @@ from tests.test_served_teacher import served_trainer, teacher_server  # noqa: F4
 from tvopd_trl import TVOPDTrainer
 from tvopd_trl.advantages import ADVANTAGE_MODES
 from tvopd_trl.packing import pack_rows, token_budget_chunks, unpack_completions
-from tvopd_trl.testing import tiny_config, tiny_pair_trainer
+from tvopd_trl.testing import build_model, tiny_config, tiny_pair_trainer
 
 
 def uneven(batch, lengths):
@@ -214,20 +214,11 @@ def test_uneven_rows_over_gradient_accumulation_give_the_padded_update(tmp_path)
         torch.testing.assert_close(packed_params[name], param, rtol=1e-4, atol=1e-6)
 
 
-def test_an_attention_that_cannot_mask_packed_rows_is_refused(make_trainer, model_dirs, tmp_path):
+def test_an_attention_that_cannot_mask_packed_rows_is_refused(make_trainer, model_dirs, tokenizer, tmp_path):
     # An implementation transformers' masking utilities do not know gets no mask at all: packed rows see each other
     AttentionInterface.register("unmasked_sdpa", sdpa_attention_forward)
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    ids = torch.randint(3, 64, (2, 6))
+    model = build_model(tokenizer, seed=0, hidden_size=16, num_layers=1).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 6))
     mask = torch.ones_like(ids)
     packed = pack_rows(ids, mask, logits_to_keep=3)
     with torch.no_grad():
@@ -240,7 +231,7 @@ def test_an_attention_that_cannot_mask_packed_rows_is_refused(make_trainer, mode
     student = AutoModelForCausalLM.from_pretrained(model_dirs["student"], attn_implementation="unmasked_sdpa")
     with pytest.raises(ValueError, match=r"the student runs attn_implementation='unmasked_sdpa'.*'sdpa'"):
         make_trainer(tiny_config(tmp_path, padding_free=True), model=student)
-    make_trainer(tiny_config(tmp_path, padding_free=False), model=student)  # padded, its masks are explicit
+    make_trainer(tiny_config(tmp_path, padding_free=False), model=student)  # only padding_free refuses it
     teacher = AutoModelForCausalLM.from_pretrained(model_dirs["teacher"], attn_implementation="unmasked_sdpa")
     with pytest.raises(ValueError, match=r"the teacher runs attn_implementation='unmasked_sdpa'"):
         make_trainer(tiny_config(tmp_path, padding_free=True), teacher_model=teacher)
