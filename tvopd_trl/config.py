@@ -125,7 +125,9 @@ class TVOPDConfig(DistillationConfig):
             masks from one another (variable-length kernels with FlashAttention, a block-diagonal mask with `sdpa`,
             `eager` and `flex_attention`; any other attention implementation is refused). Log-probabilities equal the
             padded ones within float tolerance, and the work follows the real tokens instead of rows x the longest
-            row (docs/performance.md). As in TRL's SFT. A teacher server is unaffected: it never pads.
+            row. With `sdpa` or `eager`, a forward's attention grows with the square of its tokens: set
+            `max_tokens_per_micro_batch` too (docs/performance.md, section 11). As in TRL's SFT. A teacher server is
+            unaffected: it never pads.
         max_tokens_per_micro_batch (`int`, *optional*):
             Token budget of one forward of the loss phase: the rows of each micro-batch (and of the rollout the
             teacher scores) go through the model in consecutive groups of at most this many tokens (real tokens with
