@@ -133,7 +133,7 @@ class TVOPDConfig(DistillationConfig):
             teacher scores) go through the model in consecutive groups of at most this many tokens (real tokens with
             `padding_free`, rows x padded width without; a longer row goes alone), instead of
             `per_device_train_batch_size` rows at a time. It bounds a forward's peak memory; it does not change the
-            micro-batches, the optimizer steps or the token-mean (docs/scaling.md). Unset, a forward takes
+            micro-batches, the optimizer steps or the token-mean (docs/scaling.md, section 9). Unset, a forward takes
             `per_device_train_batch_size` rows.
 
         > Parameters that control the data preprocessing

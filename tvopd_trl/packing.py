@@ -26,17 +26,6 @@ from dataclasses import dataclass
 import torch
 
 
-# Attention implementations that mask packed rows from one another when given `position_ids` and no attention mask
-PACKED_ATTENTION_IMPLEMENTATIONS = (
-    "sdpa",
-    "eager",
-    "flex_attention",
-    "flash_attention_2",
-    "flash_attention_3",
-    "flash_attention_4",
-)
-
-
 @dataclass
 class PackedRows:
     """A padded batch of `B` rows as one sequence of its `N` real tokens.
