@@ -103,6 +103,15 @@ def test_packed_log_probs_equal_the_padded_ones_row_by_row(make_trainer, tmp_pat
         torch.testing.assert_close(packed[key][real], padded[key][real], rtol=0, atol=1e-5)
 
 
+def test_a_token_budget_without_packing_counts_padded_rows(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, per_device_train_batch_size=8))
+    ids, mask, keep = sequences(generated(trainer, rows=6))
+    whole = trainer._sampled_token_logps(trainer.teacher_model, ids, mask, keep)
+    trainer.args.max_tokens_per_micro_batch = 2 * ids.size(1) + 1  # two padded rows per forward, uneven or not
+    assert trainer._row_chunks(mask) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    torch.testing.assert_close(trainer._sampled_token_logps(trainer.teacher_model, ids, mask, keep), whole)
+
+
 @pytest.mark.parametrize("mode", ADVANTAGE_MODES)
 def test_losses_and_gradients_equal_the_padded_ones_in_every_mode(make_trainer, tmp_path, mode):
     trainer = make_trainer(tiny_config(tmp_path, advantage_mode=mode))
