@@ -37,11 +37,11 @@ def sequences(batch):
     return ids, mask, batch["completion_ids"].size(1)
 
 
-def both_layouts(trainer, function, **budget):
-    """`function()` run padded, then packed (with `budget`'s `max_tokens_per_micro_batch`, if any)."""
+def both_layouts(trainer, function, max_tokens_per_micro_batch=None):
+    """`function()` run padded, then packed (in forwards of at most `max_tokens_per_micro_batch` tokens)."""
     args = trainer.args
     outputs = [function()]
-    args.padding_free, args.max_tokens_per_micro_batch = True, budget.get("max_tokens_per_micro_batch")
+    args.padding_free, args.max_tokens_per_micro_batch = True, max_tokens_per_micro_batch
     try:
         outputs.append(function())
     finally:
