@@ -103,6 +103,22 @@ def test_packed_log_probs_equal_the_padded_ones_row_by_row(make_trainer, tmp_pat
         torch.testing.assert_close(packed[key][real], padded[key][real], rtol=0, atol=1e-5)
 
 
+def test_eager_attention_masks_packed_rows_too(make_trainer, model_dirs, tmp_path):
+    # (flex_attention masks them as well, but has no backward on CPU and compiles for a minute)
+    models = {
+        role: AutoModelForCausalLM.from_pretrained(model_dirs[role], attn_implementation="eager")
+        for role in ("student", "teacher")
+    }
+    trainer = make_trainer(tiny_config(tmp_path), model=models["student"], teacher_model=models["teacher"])
+    ids, mask, keep = sequences(generated(trainer))
+    for model in (trainer.model, trainer.teacher_model):
+        assert model.config._attn_implementation == "eager"
+        padded, packed = both_layouts(
+            trainer, lambda model=model: trainer._sampled_token_logps(model, ids, mask, keep)
+        )
+        torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+
+
 def test_a_token_budget_without_packing_counts_padded_rows(make_trainer, tmp_path):
     trainer = make_trainer(tiny_config(tmp_path, per_device_train_batch_size=8))
     ids, mask, keep = sequences(generated(trainer, rows=6))
