@@ -82,7 +82,9 @@ def point_worker(job):
     trainer = common.build_trainer("tv", shape, data, 1, common.scratch_dir("tv"), overrides)
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
     attention_mask = torch.ones_like(input_ids)
-    assert len(trainer._row_chunks(attention_mask)) == micro_batches  # one chunk per micro-batch of B rows
+    assert (
+        len(trainer._row_chunks(attention_mask, trainer.model_wrapped)) == micro_batches
+    )  # one chunk per micro-batch of B rows
     run = {"chunked": chunked, "whole": whole_rollout}[job["mode"]]
     common.settle()
     setup = common.rss_mb()

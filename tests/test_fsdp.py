@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from .test_distributed import NUM_PROCESSES, check_sharded_padding_free_run, launch
+from .test_distributed import NUM_PROCESSES, check_padding_free_run, launch
 
 
 @pytest.fixture(scope="module")
@@ -100,4 +100,4 @@ def fsdp2_padding_free_run(tmp_path_factory):
 
 
 def test_fsdp2_padding_free_runs_as_many_forwards_on_every_rank_and_equals_padded(fsdp2_padding_free_run):
-    check_sharded_padding_free_run(fsdp2_padding_free_run)
+    check_padding_free_run(fsdp2_padding_free_run)

@@ -124,7 +124,7 @@ def test_a_token_budget_without_packing_counts_padded_rows(make_trainer, tmp_pat
     ids, mask, keep = sequences(generated(trainer, rows=6))
     whole = trainer._sampled_token_logps(trainer.teacher_model, ids, mask, keep)
     trainer.args.max_tokens_per_micro_batch = 2 * ids.size(1) + 1  # two padded rows per forward, uneven or not
-    assert trainer._row_chunks(mask) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert trainer._row_chunks(mask, trainer.teacher_model) == [slice(0, 2), slice(2, 4), slice(4, 6)]
     torch.testing.assert_close(trainer._sampled_token_logps(trainer.teacher_model, ids, mask, keep), whole)
 
 
@@ -218,8 +218,8 @@ def test_uneven_rows_over_gradient_accumulation_give_the_padded_update(tmp_path)
         trainer = tiny_pair_trainer(args)
         forwards = []
 
-        def recording(mask, original=trainer._row_chunks, forwards=forwards):
-            forwards.append((mask.sum(1), original(mask)))
+        def recording(mask, model, original=trainer._row_chunks, forwards=forwards):
+            forwards.append((mask.sum(1), original(mask, model)))
             return forwards[-1][1]
 
         trainer._row_chunks = recording

@@ -143,7 +143,7 @@ class CompletionScoringMixin:
         each position's distribution, from the same pass."""
         with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
         logps, entropies = [], []
-        for rows in self._row_chunks(attention_mask):
+        for rows in self._row_chunks(attention_mask, model):
             packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
             if with_trl_kernels:
                 chunk_logps, entropy = self._fused_head_logps(
@@ -168,9 +168,9 @@ class CompletionScoringMixin:
                 entropies.append(entropy.detach())
         return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
 
-    def _row_chunks(self, attention_mask):
-        """The slices of rows scored by one forward each: `per_device_train_batch_size` rows (the activations of one
-        micro-batch), or up to `max_tokens_per_micro_batch` tokens."""
+    def _row_chunks(self, attention_mask, model):
+        """The slices of rows that `model` scores in one forward each: `per_device_train_batch_size` rows (the
+        activations of one micro-batch), or up to `max_tokens_per_micro_batch` tokens."""
         args = self.args
         rows, budget = attention_mask.size(0), args.max_tokens_per_micro_batch
         if budget is None:
@@ -181,9 +181,9 @@ class CompletionScoringMixin:
         else:
             lengths = attention_mask.new_full((rows,), attention_mask.size(1))
         chunks = token_budget_chunks(lengths, budget)
-        if self._shards_models:
-            # A sharded forward is a collective: every process runs as many as the process that needs the most (each
-            # has as many rows, see `_rows_by_teacher`).
+        if self._forward_is_collective(model):
+            # Every process runs as many forwards as the process that needs the most (each has as many rows for such
+            # a model, see `_rows_by_teacher`)
             count = self.accelerator.gather(torch.tensor([len(chunks)], device=attention_mask.device)).max().item()
             chunks = token_budget_chunks(lengths, budget, count=count)
         return chunks
@@ -191,6 +191,10 @@ class CompletionScoringMixin:
     def _packed_rows(self, input_ids, attention_mask, logits_to_keep):
         # With `padding_free`, the rows of a forward as one sequence of their real tokens; padded as given otherwise
         return pack_rows(input_ids, attention_mask, logits_to_keep) if self.args.padding_free else None
+
+    def _forward_is_collective(self, model):
+        # A sharded model's forward gathers its parameters, and DDP's wrapper broadcasts its buffers before each one
+        return self._shards_models or isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
     @property
     def _shards_models(self):
@@ -264,7 +268,8 @@ class CompletionScoringMixin:
 
     def _exact_divergences(self, teacher_model, input_ids, attention_mask, logits_to_keep):
         reverse_kl, tv = [], []
-        for rows in self._row_chunks(attention_mask):  # the peak stays one forward's, whatever the rollout size
+        # The peak stays one forward's, whatever the rollout size
+        for rows in self._row_chunks(attention_mask, self.model_wrapped):
             packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
             hidden_states, heads = [], []
             for wrapped in (self.model_wrapped, teacher_model):

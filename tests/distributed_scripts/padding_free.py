@@ -1,14 +1,16 @@
-"""`padding_free` with a token budget on sharded models, 2 processes: ZeRO-3, or FSDP2 on the CPU stand-in.
+"""`padding_free` with a token budget, 2 processes: ZeRO-3, FSDP2 on the CPU stand-in, or DDP.
 
     DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate_configs/zero3_cpu.yaml \
         padding_free.py OUTPUT_DIR zero3
     accelerate launch --config_file recipes/accelerate_configs/ddp_cpu.yaml padding_free.py OUTPUT_DIR fsdp2
+    accelerate launch --config_file recipes/accelerate_configs/ddp_cpu.yaml padding_free.py OUTPUT_DIR ddp
 
 A sharded forward is a collective, so both ranks must run as many forwards even where their rows need different
-numbers under the budget. Each rank trains a few steps packed, then scores a fixed batch whose rows are shorter on
-rank 0 than on rank 1 (so the budget gives the ranks different numbers of forwards), padded and packed, through the
-student and the teacher, and the loss, whose packed forwards it then backpropagates. It records each scoring's count of
-forwards before and after the ranks agreed on one.
+numbers under the budget; under DDP each runs its own number, and one backward reduces the gradients of them all.
+Each rank trains a few steps packed, then scores a fixed batch whose rows are shorter on rank 0 than on rank 1 (so
+the budget gives the ranks different numbers of forwards), padded and packed, through the student and the teacher, and
+the loss, whose packed forwards it then backpropagates. It records each scoring's count of forwards before and after
+the ranks agreed on one.
 """
 
 import sys
@@ -26,13 +28,14 @@ from tvopd_trl.testing import tiny_config, tiny_pair_trainer
 class ChunkRecordingTrainer(TVOPDTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.chunks = []  # (this rank's own count under the budget, the count run)
+        # (this rank's own count of forwards under the budget, the count run, whether each forward is a collective)
+        self.chunks = []
 
-    def _row_chunks(self, attention_mask):
-        chunks = super()._row_chunks(attention_mask)
+    def _row_chunks(self, attention_mask, model):
+        chunks = super()._row_chunks(attention_mask, model)
         if self.args.max_tokens_per_micro_batch is not None:
             own = token_budget_chunks(attention_mask.sum(dim=1), self.args.max_tokens_per_micro_batch)
-            self.chunks.append((len(own), len(chunks)))
+            self.chunks.append((len(own), len(chunks), self._forward_is_collective(model)))
         return chunks
 
 
@@ -41,14 +44,16 @@ def main(output_dir, launch):
     if launch == "fsdp2":
         _pretend_multi_gpu()
         args, distributed_type = fsdp2_config(output_dir, **overrides), DistributedType.FSDP
-    else:
+    elif launch == "zero3":
         skip_deepspeed_shm_op()
         args = tiny_config(output_dir, use_cpu=False, ddp_backend="gloo", **overrides)
         distributed_type = DistributedType.DEEPSPEED
+    else:
+        args, distributed_type = tiny_config(output_dir, **overrides), DistributedType.MULTI_CPU
     trainer = tiny_pair_trainer(args, prompts=32, trainer_class=ChunkRecordingTrainer)
     accelerator = trainer.accelerator
     check_launch(accelerator, distributed_type)
-    assert trainer._shards_models
+    assert trainer._shards_models == (launch != "ddp")
     trainer.train()
     trained_chunks = list(trainer.chunks)
 
@@ -90,6 +95,8 @@ def main(output_dir, launch):
             "trained_chunks": trained_chunks,
             "fixed_batch_chunks": trainer.chunks[len(trained_chunks) :],
             "backward_done": True,
+            # DDP's all-reduced gradient of that backward (ZeRO-3 and FSDP hold gradient shards)
+            "gradient_sums": [p.grad.sum().item() for p in trainer.model.parameters()] if launch == "ddp" else None,
             "logs": [entry for entry in trainer.state.log_history if "tv/scale" in entry],
         },
         tensors=tensors,
