@@ -1,6 +1,6 @@
 """GPU evidence: loss-phase step time, peak GPU memory and model FLOPs utilisation of TV-OPD against TRL, on one GPU.
 
-    python benchmarks/bench_gpu.py --generation --zero3 --profile      # on one CUDA GPU (estimate printed at start)
+    python benchmarks/bench_gpu.py --generation --zero3 --profile --packing  # on one CUDA GPU (estimate at start)
     OMP_NUM_THREADS=1 python benchmarks/bench_gpu.py --quick            # CPU validation: tiny shapes, every path
     python benchmarks/bench_gpu.py --estimate-only                      # the full run's time estimate, then exit
 
@@ -37,7 +37,9 @@ docs/performance.md) / (median seconds x the GPU's published dense bf16 peak). T
 Optional parts, in this order, each skipped (and said so) when its estimated time would end the run after
 `--deadline-s` seconds: `--profile` (torch.profiler over one `tv` step at the largest T: CUDA time per kernel class);
 `--generation` (transformers `generate` tokens per second of the student, batch 1 and 8, the rollout side without
-vLLM); `--zero3` (one `tv` run at T = 2,048 under DeepSpeed ZeRO-3 on this one GPU, launched with the recipe's
+vLLM); `--packing` (the loss phase of one rollout of B = 8 rows at the largest T, completion lengths distributed like
+a reasoning run's, padded against `padding_free` with and without a token budget: `bench_packing.py`'s rows on the
+GPU); `--zero3` (one `tv` run at T = 2,048 under DeepSpeed ZeRO-3 on this one GPU, launched with the recipe's
 `accelerate_configs/zero3.yaml` and `--num_processes 1`, against the unsharded `tv` row); `--long` (T = 16,384).
 
 Writes bench_gpu.json (every raw number), bench_gpu.md (the printed report) and, with --profile,
@@ -52,7 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import common
 import torch
@@ -65,7 +67,7 @@ TINY_PAIR = dict(vocab=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermedi
 # The grid: T = completions (then 2 x the largest with --long); the targets are read at the largest T of the grid,
 # ZeRO-3 runs at the smallest; generation runs for each batch size, `generation_tokens` new tokens per row.
 FULL = dict(arch=PAPER_PAIR, prompt=256, batch=1, completions=[2048, 8192], steps=4, generation_batches=[1, 8])
-FULL["generation_tokens"] = 256
+FULL.update(generation_tokens=256, packing_batch=8)
 QUICK = dict(FULL, arch=TINY_PAIR, prompt=16, batch=2, completions=[32, 64], steps=3, generation_batches=[1, 2])
 QUICK["generation_tokens"] = 16
 RUNS = {  # name: (common.TRAINERS key, config overrides)
@@ -188,12 +190,13 @@ def build_pair(shape, student_dtype, teacher_dtype):
     return student, teacher
 
 
-def measure_run(name, shape, data, job, callbacks=()):
+def measure_run(name, shape, data, job, callbacks=(), overrides=None):
     """One trainer `name` (a key of RUNS) on fresh models: `job["steps"]` loss-phase steps, timed and (on CUDA) its peak
-    memory. An error (out of memory included) comes back as `{"error": ...}`."""
+    memory; `overrides` add to its config's. An error (out of memory included) comes back as `{"error": ...}`."""
     from transformers.trainer_callback import PrinterCallback
 
-    kind, overrides = RUNS[name]
+    kind, run_overrides = RUNS[name]
+    overrides = {**run_overrides, **(overrides or {})}
     free_memory()
     result = {"trainer": name, "allocated_before_gib": allocated_gib()}
     trainer = models = None
@@ -342,6 +345,48 @@ def run_zero3(config, job, cache_dir, timeout):
     return common.run_worker(os.path.abspath(__file__), worker_job, timeout=timeout, launcher=launcher, env=env)
 
 
+def packing_shape(config):
+    return replace(shape_of(config, config["target_completion"]), batch=config["packing_batch"])
+
+
+def measure_packing(config, job):
+    """`bench_packing.py`'s comparison on this device: one rollout of B rows at the largest T, completion lengths
+    `common.reasoning_lengths`, uniform token ids, each layout of `common.PACKING_LAYOUTS` on fresh models."""
+    shape = packing_shape(config)
+    lengths = common.reasoning_lengths(shape.completion, shape.batch)
+    data = common.ragged_rollout(shape, lengths)
+    runs = {}
+    for layout in common.PACKING_LAYOUTS:
+        print(f"[bench_gpu] packing: {layout}", file=sys.stderr, flush=True)
+        runs[layout] = measure_run("tv", shape, data, job, overrides=common.packing_overrides(layout, shape))
+    return {"shape": asdict(shape), "lengths": lengths, "runs": runs}
+
+
+def packing_markdown(packing):
+    shape, lengths, runs = common.Shape(**packing["shape"]), packing["lengths"], packing["runs"]
+    real, padded = common.token_counts(shape, lengths)
+    base = median_seconds(runs["padded"])
+    rows = []
+    for layout, run in runs.items():
+        seconds = median_seconds(run)
+        speedup = base / seconds if base and seconds else None
+        rows.append(
+            [
+                layout,
+                common.fmt(seconds) if seconds else f"failed: {run.get('error', '-')[:80]}",
+                common.fmt(sum(lengths) / seconds) if seconds else "-",
+                common.fmt(speedup),
+                common.fmt(run.get("peak_gib")),
+            ]
+        )
+    header = ["layout", "s/step", "completion tok/s", "speed-up", "peak GiB"]
+    return (
+        f"### Padding-free loss phase\n\nB = {shape.batch} rows of P = {shape.prompt} + up to T = {shape.completion} "
+        f"tokens (lengths {lengths}): {real:,} real tokens, {padded:,} padded; target speed-up 0.8 x padded / real = "
+        f"{0.8 * padded / real:.2f}x\n\n" + common.markdown_table(header, rows)
+    )
+
+
 def common_root():
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -389,6 +434,10 @@ def estimate(config, cli, peak_tflops):
         parts["generation"] = len(cli.student_dtype) * sum(
             10 + tokens * ASSUMED["generate_token_s"] for _ in config["generation_batches"]
         )
+    if cli.packing:  # every layout at the padded cost, an upper bound
+        shape = packing_shape(config)
+        step = estimated_step_seconds("tv", shape, cli.student_dtype[0], peak_tflops)
+        parts["packing"] = len(common.PACKING_LAYOUTS) * (ASSUMED["run_overhead_s"] + steps * step)
     if cli.zero3:
         parts["zero3"] = ASSUMED["zero3_startup_s"] + 1.5 * run_seconds("tv", config["zero3_completion"], "float32")
     if cli.long:
@@ -540,6 +589,8 @@ def extras_markdown(extras):
             "### Student generation (transformers `generate`, KV cache, no vLLM)\n\n"
             + common.markdown_table(["student dtype", "batch", "new tokens per row", "tokens/s"], rows)
         )
+    if "packing" in extras:
+        parts.append(packing_markdown(extras["packing"]))
     if "zero3" in extras:
         z = extras["zero3"]
         seconds, base = median_seconds(z), median_seconds(extras.get("zero3_baseline"))
@@ -592,6 +643,7 @@ def parse_args():
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: from its name)")
     parser.add_argument("--long", action="store_true", help="also T = 16,384 (last, if time allows)")
     parser.add_argument("--generation", action="store_true", help="transformers generate tokens/s of the student")
+    parser.add_argument("--packing", action="store_true", help="padded against padding_free at the largest T")
     parser.add_argument("--zero3", action="store_true", help="one tv run under single-GPU DeepSpeed ZeRO-3")
     parser.add_argument("--profile", action="store_true", help="torch.profiler over one tv step at the largest T")
     parser.add_argument("--deadline-s", type=float, default=420, help="skip optional parts that would end later")
@@ -686,6 +738,9 @@ def main():
                 except RuntimeError as error:
                     extras["generation"].append({"dtype": dtype, "batch": batch, "error": str(error)[:200]})
                 save()
+    if cli.packing and fits("packing"):
+        extras["packing"] = measure_packing(config, {**job, "student_dtype": cli.student_dtype[0]})
+        save()
     if cli.zero3 and fits("zero3"):
         print("[bench_gpu] ZeRO-3, one process", file=sys.stderr, flush=True)
         zero3_job = {**job, "student_dtype": cli.student_dtype[0]}

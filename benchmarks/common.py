@@ -37,6 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
@@ -160,6 +161,47 @@ def rollout(shape, cache_dir):
     os.makedirs(cache_dir, exist_ok=True)
     torch.save(data, path)
     return data
+
+
+def reasoning_lengths(cap, rows, at_cap=1):
+    """Completion lengths distributed like a reasoning run's: lognormal with median `cap / 4` and sigma 1 (seeded),
+    clipped to [1, cap], the first `at_cap` rows cut off at the cap."""
+    generator = torch.Generator().manual_seed(ROLLOUT_SEED)
+    lengths = (torch.randn(rows, generator=generator) + math.log(cap / 4)).exp().round().clamp(1, cap).long()
+    lengths[:at_cap] = cap
+    return lengths.tolist()
+
+
+def ragged_rollout(shape, lengths):
+    """A rollout of `shape`'s B prompts of P uniform (seeded) tokens and completions of `lengths` uniform tokens, each
+    shorter than the cap (T) ending in `<eos>`: `{"prompt_ids": (B, P), "completion_ids": [B lists]}`. The loss phase's
+    cost does not depend on which token ids it scores (see `bench_gpu.rollout`)."""
+    generator = torch.Generator().manual_seed(ROLLOUT_SEED)
+    prompt_ids = torch.randint(3, shape.vocab, (shape.batch, shape.prompt), generator=generator)
+    completions = []
+    for length in lengths:
+        tokens = torch.randint(3, shape.vocab, (length,), generator=generator).tolist()
+        completions.append(tokens if length == shape.completion else tokens[:-1] + [EOS_ID])
+    return {"prompt_ids": prompt_ids, "completion_ids": completions}
+
+
+# The layouts of the loss phase that `bench_packing.py` and `bench_gpu.py --packing` compare: padded; padding_free; and
+# padding_free with forwards of at most one longest row's tokens (P + the cap), which keeps `sdpa`'s block-diagonal
+# attention, quadratic in a forward's tokens, no costlier per token than the padded rows'.
+PACKING_LAYOUTS = ("padded", "packed", "budget")
+
+
+def packing_overrides(layout, shape):
+    """The TVOPDConfig overrides of a `PACKING_LAYOUTS` layout at `shape` (T: the completions' cap)."""
+    if layout == "padded":
+        return {}
+    budget = shape.prompt + shape.completion if layout == "budget" else None
+    return {"padding_free": True, "max_tokens_per_micro_batch": budget}
+
+
+def token_counts(shape, lengths):
+    """(real tokens, padded tokens) of a rollout of completions of `lengths`, prompts included."""
+    return sum(shape.prompt + n for n in lengths), shape.batch * (shape.prompt + max(lengths))
 
 
 def sample_exactly(model, prompt_ids, new_tokens):
@@ -286,9 +328,11 @@ def use_fixed_completions(trainer, kind, data, fixed):
     if not fixed:
         trainer.__dict__.pop("_generate_single_turn", None)
         return
+    completion_ids = data["completion_ids"]  # (B, T), or B lists of uneven lengths (`ragged_rollout`)
+    completion_ids = completion_ids.tolist() if torch.is_tensor(completion_ids) else completion_ids
     completions = {
         tuple(prompt): completion
-        for prompt, completion in zip(data["prompt_ids"].tolist(), data["completion_ids"].tolist(), strict=True)
+        for prompt, completion in zip(data["prompt_ids"].tolist(), completion_ids, strict=True)
     }
 
     def fixed_completions(prompt_ids, *args, **kwargs):

@@ -80,9 +80,11 @@ def point_worker(job):
     data = {key: value[:rows] for key, value in data.items()}
     overrides = {"gradient_accumulation_steps": micro_batches, "log_exact_tv": True}
     trainer = common.build_trainer("tv", shape, data, 1, common.scratch_dir("tv"), overrides)
-    assert len(trainer._row_chunks(rows)) == micro_batches  # one chunk per micro-batch of B rows
     input_ids = torch.cat([data["prompt_ids"], data["completion_ids"]], dim=1)
     attention_mask = torch.ones_like(input_ids)
+    assert (
+        len(trainer._row_chunks(attention_mask, trainer.model_wrapped)) == micro_batches
+    )  # one chunk per micro-batch of B rows
     run = {"chunked": chunked, "whole": whole_rollout}[job["mode"]]
     common.settle()
     setup = common.rss_mb()

@@ -1,6 +1,6 @@
 """`benchmarks/bench_gpu.py --quick` on CPU: the GPU benchmark's every in-process path (the trainers' grid, the
-profile, generation, the report and its files) runs and reports finite step times, so that the script is ready when a
-GPU is lent. Its FLOP floor is checked against the model's own parameter count and by hand."""
+profile, generation, the padding-free comparison, the report and its files) runs and reports finite step times, so
+that the script is ready when a GPU is lent. Its FLOP floor is checked against the model's own parameter count and by hand."""
 
 import json
 import math
@@ -27,7 +27,7 @@ def _run(tmp_path, *args, timeout=240):
 
 @pytest.mark.long  # 30 to 40 s on the 2-core CPU
 def test_quick_run_times_every_trainer_and_writes_its_report(tmp_path):
-    stdout, results = _run(tmp_path, "--generation", "--profile")
+    stdout, results = _run(tmp_path, "--generation", "--profile", "--packing")
     assert "## Estimated time" in stdout and "## Targets" in stdout
     table = stdout.split("## Loss phase", 1)[1].split("## Targets", 1)[0]
     for name in TRAINERS:
@@ -42,6 +42,11 @@ def test_quick_run_times_every_trainer_and_writes_its_report(tmp_path):
     extras = results["extras"]
     assert extras["profile"]["step_seconds"] > 0 and extras["profile"]["kernel_seconds_total"] > 0
     assert [g["batch"] for g in extras["generation"]] == [1, 2] and all(g["seconds"] > 0 for g in extras["generation"])
+    packing = extras["packing"]
+    assert set(packing["runs"]) == {"padded", "packed", "budget"} and len(packing["lengths"]) == 8
+    for layout, run in packing["runs"].items():
+        assert "error" not in run and all(s > 0 for s in run["seconds"]), (layout, run)
+    assert "### Padding-free loss phase" in stdout
     assert (tmp_path / "quick" / "bench_gpu.md").read_text().startswith("## Machine")
     assert (tmp_path / "quick" / "bench_gpu_profile.txt").exists()
     # On CPU there is no peak to divide by: MFU and the memory target are reported as not measured, not invented.

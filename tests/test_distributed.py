@@ -486,3 +486,78 @@ def test_served_teacher_statistics_are_reduced_over_processes(served_stats_run):
             {key: value for key, value in entry.items() if key.startswith("teacher/")} for entry in result["logs"]
         ]
         assert logged == expected, result["rank"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A task reward whose groups span both processes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory):
+    return launch("ddp_cpu.yaml", "ddp_reward.py", tmp_path_factory.mktemp("reward"))
+
+
+def test_reward_groups_are_normalised_over_the_processes_that_hold_them(reward_run):
+    first, second = reward_run
+    assert len(first["rollouts"]) == len(second["rollouts"]) == 3
+    for step, (own, other) in enumerate(zip(first["rollouts"], second["rollouts"], strict=True)):
+        # One prompt's 8 samples, 4 on each rank
+        assert len(own["prompts"]) == len(other["prompts"]) == 4
+        assert len(set(own["prompts"] + other["prompts"])) == 1, step
+        rewards = torch.tensor(own["rewards"] + other["rewards"])
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        assert rewards.std() > 0, step
+        got = torch.tensor(own["advantages"] + other["advantages"])
+        torch.testing.assert_close(got, expected)
+    for key in ("reward", "reward_std", "rewards/token_sum/mean", "advantage/reward_abs_mean", "loss"):
+        assert [entry[key] for entry in first["logs"]] == [entry[key] for entry in second["logs"]], key
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# padding_free with a token budget over 2 processes: ZeRO-3 and DDP here, FSDP2 in tests/test_fsdp.py
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["zero3", "ddp"])
+def padding_free_run(request, tmp_path_factory):
+    config = {"zero3": "zero3_cpu.yaml", "ddp": "ddp_cpu.yaml"}[request.param]
+    output_dir = tmp_path_factory.mktemp(f"padding_free_{request.param}")
+    return request.param, launch(config, "padding_free.py", output_dir, request.param)
+
+
+def check_padding_free_run(run):
+    """What tests/distributed_scripts/padding_free.py recorded: wherever a forward is a collective (a sharded model,
+    DDP's wrapper) the ranks ran as many, even where the budget gave rank 0 fewer; elsewhere each ran its own. The
+    packed log-probabilities and loss equal the padded ones; training and the backward through unequal forwards
+    finished (the launch would have timed out otherwise)."""
+    first, second = run
+    for a, b in zip(first["logs"], second["logs"], strict=True):
+        assert math.isfinite(a["loss"]) and a["loss"] == b["loss"]
+    for result in run:
+        assert result["backward_done"]
+    for chunks in ("trained_chunks", "fixed_batch_chunks"):
+        for (own_a, ran_a, collective), (own_b, ran_b, _) in zip(first[chunks], second[chunks], strict=True):
+            assert (ran_a, ran_b) == ((max(own_a, own_b),) * 2 if collective else (own_a, own_b))
+    assert [own for own, _, _ in first["fixed_batch_chunks"]] == [2, 2, 2, 2]
+    assert [own for own, _, _ in second["fixed_batch_chunks"]] == [4, 4, 4, 4]
+    assert any(collective for _, _, collective in first["fixed_batch_chunks"])
+    for result in run:
+        tensors = result["tensors"]
+        real = tensors["completion_mask"].bool()
+        for name in ("student", "teacher"):
+            packed, padded = tensors[f"{name}_packed"], tensors[f"{name}_padded"]
+            torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
+            assert (packed[~real] == 0).all()
+        torch.testing.assert_close(tensors["loss_packed"], tensors["loss_padded"], rtol=1e-5, atol=1e-6)
+
+
+def test_padding_free_runs_as_many_collective_forwards_on_every_rank_and_equals_padded(padding_free_run):
+    launched, run = padding_free_run
+    check_padding_free_run(run)
+    first, second = run
+    if launched == "ddp":
+        # Under DDP the teacher's forwards are each rank's own, the wrapped student's are collectives
+        assert [collective for _, _, collective in first["fixed_batch_chunks"]] == [True, False, False, True]
+        # and one backward through unequal numbers of student forwards all-reduced their gradients
+        assert first["gradient_sums"] == second["gradient_sums"] and any(first["gradient_sums"])

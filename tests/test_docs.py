@@ -156,7 +156,18 @@ def test_every_docs_page_is_linked_from_the_readme_and_the_index():
 # Names: metrics and config fields
 # ----------------------------------------------------------------------------------------------------------------------
 
-METRIC_GROUPS = ("tv", "advantage", "clip_ratio", "update", "kl", "sampling", "prompts", "teacher", "completions")
+METRIC_GROUPS = (
+    "tv",
+    "advantage",
+    "clip_ratio",
+    "update",
+    "kl",
+    "sampling",
+    "prompts",
+    "teacher",
+    "rewards",
+    "completions",
+)
 METRIC = re.compile(rf"(?:eval_)?(?:{'|'.join(METRIC_GROUPS)})/[\w/@*<>]+|(?:eval_)?policy_loss|eval/[\w/@<>]+")
 
 
@@ -165,7 +176,11 @@ def _logged_metrics():
     names = "|".join(METRIC_GROUPS[:-1])
     # The trainer logs its own metrics, those of `metrics.StepStatistics` and those of its callbacks
     source = "".join(inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module))
-    ours = set(re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy)"', source))
+    ours = set(
+        re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy|reward|reward_std|frac_reward_zero_std)"', source)
+    )
+    # TRL GRPO's per-function reward metrics, `rewards/<func>/mean|std`
+    ours |= {f"rewards/<func>/{key}" for key in re.findall(r'f"rewards/\{name\}/(\w+)"', source)}
     # Per teacher: `_scale_metric("tv/scale", index)` logs `tv/<teacher>/scale`; StepStatistics `kl/<teacher>/...`
     ours |= {f"tv/<teacher>/{key}" for key in re.findall(r'_scale_metric\("tv/(\w+)"', source)}
     ours |= {f"{group}/<teacher>/{key}" for group, key in re.findall(r'f"(kl|tv)/\{name\}/(\w+)"', source)}
@@ -233,6 +248,8 @@ OTHER_NAMES = {
     "get_sequence_logprobs",
     "trainer_state",
     "grad_norm",  # TRL's metric
+    "reward_std",  # TRL GRPO's metrics, logged with a task reward
+    "frac_reward_zero_std",
     "vocab_size",  # a model config's
     "accelerate_config",  # a recipe key that `tvopd-trl train` passes to `accelerate launch`
     "teacher_model",  # the trainer's argument

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from .test_distributed import NUM_PROCESSES, launch
+from .test_distributed import NUM_PROCESSES, check_padding_free_run, launch
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,12 @@ def test_sharded_teacher_log_probabilities_equal_an_unsharded_copy(fsdp2_run):
         # The trainer's scoring path (sharded teacher, fused float32 head) against plain full-vocabulary logits.
         torch.testing.assert_close(sharded, unsharded, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(fsdp2_run[0]["tensors"]["sharded"], fsdp2_run[1]["tensors"]["sharded"], atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_padding_free_run(tmp_path_factory):
+    return launch("ddp_cpu.yaml", "padding_free.py", tmp_path_factory.mktemp("padding_free_fsdp2"), "fsdp2")
+
+
+def test_fsdp2_padding_free_runs_as_many_forwards_on_every_rank_and_equals_padded(fsdp2_padding_free_run):
+    check_padding_free_run(fsdp2_padding_free_run)

@@ -63,7 +63,18 @@ def test_every_tiny_recipe_parses_into_its_mode():
         modes[recipe.stem] = training_args.advantage_mode
     expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
     long = {f"long_{name}": mode for name, mode in LONG_MODES.items()}
-    assert modes == {**expected, "multi_teacher": "tv", "vllm_server": "tv", **long}
+    weak = {"weak_tvopd": "tv", "weak_tvopd_reward": "tv", "weak_reward_only": "tv", "weak_raw_reward": "raw"}
+    assert modes == {**expected, "multi_teacher": "tv", "vllm_server": "tv", **long, **weak}
+
+
+def test_the_reward_recipe_trains_on_the_accuracy_reward_beside_the_weak_teacher(tmp_path):
+    run(["--config", str(RECIPES / "weak_tvopd_reward.yaml"), "--output_dir", str(tmp_path), *SHORT])
+    check_outputs(tmp_path, "tv", steps=4)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert 0.5 <= summary["teacher_accuracy"] <= 0.9  # the weak teacher's, on 8 problems x 2 samples
+    steps = [entry for entry in json.loads((tmp_path / "log_history.json").read_text()) if "tv/scale" in entry]
+    assert len(steps) == 4 and all(0 <= entry["rewards/accuracy_reward/mean"] <= 1 for entry in steps)
+    assert any(entry["advantage/reward_abs_mean"] > 0 for entry in steps)
 
 
 def test_console_command_launches_through_accelerate(tmp_path):

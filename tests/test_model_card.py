@@ -34,3 +34,12 @@ def test_card_section_for_a_baseline_and_without_a_marker(tmp_path):
     assert "`advantage_mode='clip'` (ClipOPD)." in section and "`advantage_clip_low=-5.0`" in section
     assert "`tv_alpha" not in section and "tv/estimate" not in section  # NaN values are not reported
     assert insert_section("# Card\n", section) == "# Card\n\n" + section
+
+
+def test_card_section_names_the_task_reward_when_there_is_one(tmp_path):
+    plain = card_section(tiny_config(tmp_path), [{"step": 1, "tv/scale": 1.0}])
+    assert "reward" not in plain
+    args = tiny_config(tmp_path, reward_funcs=["accuracy"], reward_coef=0.5, num_generations=4)
+    section = card_section(args, [{"step": 1, "tv/scale": 1.0, "reward": 0.25}])
+    assert "`reward_funcs=['accuracy']`" in section and "`reward_coef=0.5`" in section
+    assert "`num_generations=4`" in section and "| `reward` | 0.25 | 1 |" in section

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from tvopd_trl import ADVANTAGE_MODES
 from tvopd_trl.rewards import REWARD_FUNCS, accuracy_reward, group_advantages, resolve_reward_funcs, reward_table
 from tvopd_trl.testing import tiny_config
 
@@ -245,3 +246,48 @@ def test_a_reward_function_that_raises_stops_training_with_its_name(make_trainer
     with pytest.raises(RuntimeError, match="reward function 'broken' raised ZeroDivisionError"):
         trainer.train()
     assert all(torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("mode", ADVANTAGE_MODES)
+def test_every_mode_takes_the_reward_term(make_trainer, mode, tmp_path):
+    args = tiny_config(tmp_path, advantage_mode=mode, num_generations=2, reward_coef=1.0, max_steps=1)
+    trainer = make_trainer(args, reward_funcs=[token_sum])
+    trainer.train()
+    (entry,) = step_logs(trainer)
+    assert math.isfinite(entry["loss"]) and entry["advantage/reward_abs_mean"] >= 0
+    assert math.isfinite(entry["rewards/token_sum/mean"]) and entry["update/norm"] > 0
+
+
+def test_with_several_teachers_every_teachers_rows_get_the_same_reward_term(
+    make_trainer, model_dirs, prompts, tmp_path
+):
+    names = ["a", "b"] * (len(prompts) // 2)  # a prompt's 4 samples share its teacher
+    dataset = prompts.add_column("teacher_id", names)
+    args = tiny_config(
+        tmp_path, per_device_train_batch_size=8, num_generations=4, reward_coef=1.0, max_steps=1, shuffle_dataset=False
+    )
+    trainer = make_trainer(
+        args,
+        teacher_model={"a": model_dirs["teacher"], "b": model_dirs["student"]},
+        train_dataset=dataset,
+        reward_funcs=[token_sum],
+    )
+    trainer.model.train()
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert set(inputs["teacher_index"].tolist()) == {0, 1}
+    rewards = torch.tensor(
+        [
+            float(ids[mask.bool()].sum() % 7)
+            for ids, mask in zip(inputs["completion_ids"], inputs["completion_mask"], strict=True)
+        ]
+    )
+    for teacher in (
+        0,
+        1,
+    ):  # each teacher's rows are one group here; its advantage is its group's, whatever the teacher
+        rows = inputs["teacher_index"] == teacher
+        expected = (rewards[rows] - rewards[rows].mean()) / (rewards[rows].std() + 1e-4)
+        torch.testing.assert_close(inputs["reward_advantages"][rows], expected)
+    trainer.train()
+    (entry,) = [entry for entry in trainer.state.log_history if "tv/a/scale" in entry]
+    assert "tv/a/scale" in entry and "tv/b/scale" in entry and entry["advantage/reward_abs_mean"] > 0

@@ -107,8 +107,9 @@ def test_the_smoke_grid_runs_resumes_and_reports(tmp_path):
         run_grid(changed)
 
 
-def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
-    with open("recipes/tiny/study_multi_teacher.yaml") as f:
+def _run_short_study(tmp_path, name, **changes):
+    """Runs a shipped study file cut to one seed of 4 steps and a small evaluation (`changes` win); returns it."""
+    with open(f"recipes/tiny/{name}.yaml") as f:
         raw = yaml.safe_load(f)
     overrides = {"max_steps": 4, "per_device_train_batch_size": 16, "logging_steps": 1, "eval_problems": 8}
     raw |= {
@@ -117,9 +118,15 @@ def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
         "seeds": [0],
         "overrides": overrides | {"eval_k": 2, "eval_every_steps": 2},
     }
+    raw |= {key: change(raw) if callable(change) else change for key, change in changes.items()}
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     assert cli(["study", "--config", str(path)]) == 0
+    return raw
+
+
+def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
+    raw = _run_short_study(tmp_path, "study_multi_teacher")
 
     results = tmp_path / "results"
     for name in ("README.md", "tables.md", "accuracy_tiny.png", "accuracy_tiny-subtraction.png", "tv_scale.png"):
@@ -145,7 +152,25 @@ def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
     assert "Subtraction gap closed" in tables and "One teacher (addition)" in tables
 
 
-@pytest.mark.parametrize("name", ["study", "study_smoke", "study_multi_teacher", "study_long"])
+def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
+    _run_short_study(
+        tmp_path,
+        "study_reward",
+        methods=lambda raw: {slug: raw["methods"][slug] for slug in ("tv", "tv_reward_1")},
+        analysis={"late_window": [2, 4, 2], "reward_methods": ["tv_reward_1"]},
+    )
+
+    results = tmp_path / "results"
+    for name in ("README.md", "tables.md", "curves.png", "tv_scale.png", "reward.png", "reward_to_distill.png"):
+        assert (results / name).is_file(), name
+    aggregates = json.loads((results / "results.json").read_text())["aggregates"]
+    summary = json.loads((tmp_path / "runs" / "tv_reward_1" / "seed-0" / "summary.json").read_text())
+    assert aggregates["Teacher"][0] == summary["teacher_accuracy"]
+    assert aggregates["Reward"]["TV-OPD + reward (alpha=1)"]["final"][0] == summary["student_accuracy_after"]
+    assert "| Teacher |" in (results / "tables.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["study", "study_smoke", "study_multi_teacher", "study_long", "study_reward"])
 def test_every_shipped_study_file_loads(name):
     study = load_study(f"recipes/tiny/{name}.yaml")
     assert len(grid(study)) == len(study.methods) * len(study.seeds)

@@ -16,6 +16,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+from tvopd_trl.rewards import accuracy_reward
 from tvopd_trl.served_teacher import connect_teacher_pool
 from tvopd_trl.testing import LocalVLLMServer, free_port, tiny_config
 from tvopd_trl.tiny import multi_skill_prompt_dataset, prompt_dataset, vllm_paths
@@ -344,3 +345,39 @@ def test_scores_depend_on_the_batch_only_within_float_tolerance(servers, tokeniz
     mask = batch["completion_mask"].bool()
     assert (together - alone)[mask].abs().max() < LOGP_TOLERANCE
     requests.post(f"{servers['teacher'].url}/reset_prefix_cache", timeout=10)
+
+
+def test_a_task_reward_with_server_rollouts(servers, tokenizer, tmp_path):
+    """Each prompt's 4 samples come from the server as 4 requests of the same prompt; the accuracy reward grades them
+    and its group-normalised advantage joins the loss beside the teacher's."""
+    groups = []
+
+    def recording_accuracy(prompts, completions, answer, **kwargs):
+        groups.append([str(prompt) for prompt in prompts])
+        return accuracy_reward(completions, answer=answer)
+
+    trainer = TVOPDTrainer(
+        model=PAIR["student"],
+        teacher_model=PAIR["teacher"],
+        args=tiny_config(
+            tmp_path,
+            per_device_train_batch_size=16,
+            num_generations=4,
+            reward_coef=1.0,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=servers["student"].url,
+            vllm_server_weights_dir=str(tmp_path / "weights"),
+        ),
+        train_dataset=prompt_dataset("opd", 64),
+        processing_class=tokenizer,
+        reward_funcs=[recording_accuracy],
+    )
+    trainer.train()
+    assert len(groups) == 3 and all(group[i] == group[i - i % 4] for group in groups for i in range(16))
+    logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
+    assert len(logs) == 3
+    for entry in logs:
+        assert 0 <= entry["rewards/recording_accuracy/mean"] <= 1 and entry["rewards/unscorable"] == 0
+        assert 0 < entry["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE
+    assert any(entry["advantage/reward_abs_mean"] > 0 for entry in logs), "no group had samples of unequal reward"

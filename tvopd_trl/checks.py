@@ -23,6 +23,7 @@ import time
 import warnings
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 from trl.import_utils import is_vllm_available
 
@@ -247,6 +248,11 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
     ]
     for name, teacher in zip(trainer.teachers, teachers, strict=True):
         _check_teacher(trainer, student, teacher, teacher_tokenizers[name])
+    if args.padding_free:
+        _check_packed_attention(student, "the student")
+        for name, teacher in zip(trainer.teachers, teachers, strict=True):
+            if teacher is not None:
+                _check_packed_attention(teacher, "the teacher" if name == SINGLE_TEACHER else f"the teacher {name!r}")
     _warn_on_off_policy_sampling(args)
     if args.teacher_model_server_url is not None and args.temperature != 1.0:
         warnings.warn(
@@ -278,6 +284,18 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
                 f"which needs output layers of one size; these have {rows} rows. Use another mode, or set "
                 "log_exact_tv=False."
             )
+
+
+def _check_packed_attention(model, name):
+    implementation = model.config.get_text_config()._attn_implementation
+    # The mapping `masking_utils` consults: for any other implementation it builds no mask at all, and packed rows
+    # would attend to one another.
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        raise ValueError(
+            f"padding_free=True packs rows into one sequence, but {name} runs attn_implementation={implementation!r}, "
+            "for which transformers does not mask packed rows from one another. Load it with "
+            "attn_implementation='sdpa' (or 'flash_attention_2' on a GPU), or set padding_free=False."
+        )
 
 
 def _check_teacher(trainer, student, teacher, teacher_processing_class):

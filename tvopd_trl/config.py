@@ -139,6 +139,25 @@ class TVOPDConfig(DistillationConfig):
             How the reward advantage is scaled after its group's mean is subtracted, as in TRL GRPO: by the group's
             standard deviation (`"group"`), the batch's (`"batch"`), or not at all (`"none"`).
 
+        > Parameters that control the loss phase's batching
+
+        padding_free (`bool`, *optional*, defaults to `False`):
+            Whether the teacher's and the student's loss-phase forwards run without padding: the rows of each forward
+            are concatenated into one sequence, with `position_ids` restarting at 0 on each row, which transformers
+            masks from one another (variable-length kernels with FlashAttention, a block-diagonal mask with `sdpa`,
+            `eager` and `flex_attention`; any other attention implementation is refused). Log-probabilities equal the
+            padded ones within float tolerance, and the work follows the real tokens instead of rows x the longest
+            row. With `sdpa` or `eager`, a forward's attention grows with the square of its tokens: set
+            `max_tokens_per_micro_batch` too (docs/performance.md, section 11). As in TRL's SFT. A teacher server is
+            unaffected: it never pads.
+        max_tokens_per_micro_batch (`int`, *optional*):
+            Token budget of one forward of the loss phase: the rows of each micro-batch (and of the rollout the
+            teacher scores) go through the model in consecutive groups of at most this many tokens (real tokens with
+            `padding_free`, rows x padded width without; a longer row goes alone), instead of
+            `per_device_train_batch_size` rows at a time. It bounds a forward's peak memory; it does not change the
+            micro-batches, the optimizer steps or the token-mean (docs/scaling.md, section 9). Unset, a forward takes
+            `per_device_train_batch_size` rows.
+
         > Parameters that control the data preprocessing
 
         max_prompt_length (`int` or `None`, *optional*, defaults to `1024`):
@@ -311,6 +330,16 @@ class TVOPDConfig(DistillationConfig):
         },
     )
 
+    # Parameters that control the loss phase's batching
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Whether the loss phase's forwards pack their rows into one sequence, without padding."},
+    )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "Token budget of one loss-phase forward; unset, it takes per_device_train_batch_size rows."},
+    )
+
     # Parameters that control the data preprocessing
     max_prompt_length: int | None = field(
         default=1024,
@@ -457,6 +486,10 @@ class TVOPDConfig(DistillationConfig):
             )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}.")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(
+                f"max_tokens_per_micro_batch must be >= 1 or None, got {self.max_tokens_per_micro_batch}."
+            )
         if self.vllm_importance_sampling_cap <= 0:
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
         if self.max_staleness < 0:

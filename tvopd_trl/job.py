@@ -40,6 +40,8 @@ EMBEDDED_BENCHMARKS = {
     "long_addition": "tiny-long-addition",
     "addition_vllm": "tiny",
 }
+# `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
+WEAK_TEACHER = "weak"
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
 CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
@@ -70,9 +72,12 @@ class MainJobArguments:
             whose heads vLLM's CPU attention serves). Its held-out splits are `eval_benchmark`'s: `tiny`,
             `tiny,tiny-subtraction`, `tiny-long-addition` and `tiny`.
         embedded_teacher (`str`, *optional*):
-            With `embedded_task: multi_teacher`, the one teacher of the family (`addition` or `subtraction`) that
-            scores every prompt, the other skill's too, where it is wrong: the one-teacher baseline of
-            docs/multi-teacher.md. Defaults to routing each prompt to its own skill's teacher.
+            An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
+            imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
+            (`tvopd_trl.tiny.weak_teacher_path()`). With `embedded_task: multi_teacher`, the one teacher of the family
+            (`addition` or `subtraction`) that scores every prompt, the other skill's too, where it is wrong: the
+            one-teacher baseline of docs/multi-teacher.md. Defaults to the task's teacher (with `multi_teacher`,
+            routing each prompt to its own skill's teacher).
         dataset_name (`str`, *optional*):
             Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
             task's OPD prompt split.
@@ -121,7 +126,11 @@ class MainJobArguments:
         metadata={"help": "Embedded default without a model or dataset of its own.", "choices": EMBEDDED_TASKS},
     )
     embedded_teacher: str | None = field(
-        default=None, metadata={"help": "With embedded_task multi_teacher: one family teacher for every prompt."}
+        default=None,
+        metadata={
+            "help": "Another embedded teacher: weak (embedded_task addition: the imperfect teacher), or addition or "
+            "subtraction (embedded_task multi_teacher: one family teacher for every prompt)."
+        },
     )
     dataset_name: str | None = field(default=None, metadata={"help": "Prompt dataset (default: embedded task)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Configuration of `dataset_name`."})
@@ -270,7 +279,9 @@ def load_job(job_args, training_args, model_args):
     else:
         family = {"student": tiny.student_path(), "teachers": tiny.teacher_path()}
     student_path = model_args.model_name_or_path or family["student"]
-    if job_args.embedded_teacher is not None:
+    if job_args.embedded_teacher == WEAK_TEACHER:
+        family["teachers"] = tiny.weak_teacher_path()
+    elif job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
     embedded_teacher = None if served else family["teachers"]
@@ -362,10 +373,12 @@ def check_job_arguments(job_args, training_args, model_args):
     if job_args.embedded_teacher is not None:
         from .tiny import SKILLS
 
-        if job_args.embedded_task != "multi_teacher" or job_args.embedded_teacher not in SKILLS:
+        choices = {"multi_teacher": SKILLS, "addition": (WEAK_TEACHER,)}
+        if job_args.embedded_teacher not in choices.get(job_args.embedded_task, ()):
             raise ValueError(
                 f"`embedded_teacher` names one of the multi-teacher family's teachers ({', '.join(SKILLS)}) and goes "
-                f"with `embedded_task: multi_teacher`; got {job_args.embedded_teacher!r} with `embedded_task: "
+                f"with `embedded_task: multi_teacher`, or is `{WEAK_TEACHER}` (the tiny pair's imperfect teacher) and "
+                f"goes with `embedded_task: addition`; got {job_args.embedded_teacher!r} with `embedded_task: "
                 f"{job_args.embedded_task}`."
             )
         if teacher_named or training_args.teacher_model_server_url:

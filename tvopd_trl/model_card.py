@@ -34,9 +34,13 @@ _SHARED_HYPERPARAMETERS = (
 )
 
 
+# Listed when the run scored a task reward
+_REWARD_HYPERPARAMETERS = ("reward_funcs", "reward_coef", "distillation_coef", "num_generations", "scale_rewards")
+
+
 def card_section(args, log_history, teacher=None, dataset=None):
     """Markdown: the advantage mode and its hyperparameters, the teacher, the dataset, and the run's last values of
-    `tv/scale`, `tv/estimate` and every `eval/...` metric in `log_history`."""
+    `tv/scale`, `tv/estimate`, `reward` (with a task reward) and every `eval/...` metric in `log_history`."""
     mode = args.advantage_mode
     spec = ADVANTAGE_MODE_REGISTRY[mode]
     lines = ["## TV-OPD training", ""]
@@ -51,11 +55,13 @@ def card_section(args, log_history, teacher=None, dataset=None):
         {spec.label(keyword): value for keyword, value in spec.config_kwargs(args).items() if value is not None}
     )
     values.update({name: getattr(args, name) for name in _SHARED_HYPERPARAMETERS})
+    if args.reward_funcs or args.reward_coef:
+        values.update({name: getattr(args, name) for name in _REWARD_HYPERPARAMETERS})
     lines.append("- Hyperparameters: " + ", ".join(f"`{name}={value}`" for name, value in values.items()))
     last = {}
     for entry in log_history:
         for key, value in entry.items():
-            if (key in ("tv/scale", "tv/estimate") or key.startswith("eval/")) and _is_number(value):
+            if (key in ("tv/scale", "tv/estimate", "reward") or key.startswith("eval/")) and _is_number(value):
                 last[key] = (entry.get("step"), value)
     if "step" in (log_history[-1] if log_history else {}):
         lines.append(f"- Optimizer steps: {log_history[-1]['step']}")

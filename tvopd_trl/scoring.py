@@ -18,11 +18,13 @@ device and the sharding."""
 import math
 
 import torch
+from accelerate.utils import is_peft_model
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .checks import LOGIT_POSTPROCESSING_ATTRIBUTES
 from .chunked_logprob import sampled_token_logprobs
 from .divergences import exact_reverse_kl_and_tv
+from .packing import pack_rows, token_budget_chunks, unpack_completions
 
 
 # A served teacher's request statistics (`TeacherServerPool.last_stats`) and how each pools over processes: the retries
@@ -110,8 +112,7 @@ class CompletionScoringMixin:
     def _rows_by_teacher(self, batch):
         """`(teacher, rows, real)` for each teacher: the indices of its rows in `batch`, of which the first `real` are
         its own. A sharded teacher's forward is a collective, so every process scores as many rows for it as the
-        process with the most, repeating row 0 where it has fewer. A teacher is sharded under FSDP, and under DeepSpeed
-        at ZeRO-3 only: TRL's `prepare_deepspeed` runs it whole (stage 0) below."""
+        process with the most, repeating row 0 where it has fewer."""
         rows_count = batch["completion_ids"].size(0)
         if len(self.teachers) == 1:
             rows = torch.arange(rows_count, device=batch["completion_ids"].device)
@@ -124,9 +125,7 @@ class CompletionScoringMixin:
         index = batch["teacher_index"]
         rows = [(index == k).nonzero().squeeze(1) for k in range(len(self.teachers))]
         real = [len(own) for own in rows]
-        if self.is_fsdp_enabled or (
-            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        ):
+        if self._shards_models:
             most = self.accelerator.gather(torch.tensor([real], device=index.device)).max(dim=0).values.tolist()
             rows = [
                 own if teacher.served else torch.cat([own, own.new_zeros(target - len(own))])
@@ -139,28 +138,21 @@ class CompletionScoringMixin:
         ]
 
     def _sampled_token_logps(self, model, input_ids, attention_mask, logits_to_keep, with_entropy=False):
-        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens, scored in micro-batch chunks; with
-        `with_entropy`, also the detached entropy of each position's distribution, from the same pass."""
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-logits_to_keep] = -100
+        """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens (0 at padding), scored in the
+        forwards of `_row_chunks`, padded or packed (`padding_free`); with `with_entropy`, also the detached entropy of
+        each position's distribution, from the same pass."""
         with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
         logps, entropies = [], []
-        for rows in self._row_chunks(input_ids.size(0)):
-            padding = labels[rows, -logits_to_keep:] == -100
+        for rows in self._row_chunks(attention_mask, model):
+            packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
             if with_trl_kernels:
-                with self.accelerator.autocast():
-                    outputs = model(
-                        input_ids=input_ids[rows],
-                        attention_mask=attention_mask[rows],
-                        labels=labels[rows],
-                        fused_lm_head=True,
-                    )
-                logps.append(outputs.log_probs[:, -logits_to_keep:].float())
-                entropy = outputs.entropy[:, -logits_to_keep:].float() if with_entropy else None
+                chunk_logps, entropy = self._fused_head_logps(
+                    model, input_ids[rows], attention_mask[rows], logits_to_keep, packed, with_entropy
+                )
             else:
                 unwrapped = self.accelerator.unwrap_model(model)
                 # Through the wrapper's forward, so that DDP prepares its gradient reduction for this backward
-                completion_logps, entropy = self._forward_redirection(
+                chunk_logps, entropy = self._forward_redirection(
                     model,
                     unwrapped,
                     self._completion_logps,
@@ -169,16 +161,48 @@ class CompletionScoringMixin:
                     attention_mask[rows],
                     logits_to_keep,
                     with_entropy,
+                    packed,
                 )
-                logps.append(completion_logps.masked_fill(padding, 0.0))
+            logps.append(chunk_logps)
             if with_entropy:
-                entropies.append(entropy.detach().masked_fill(padding, 0.0))
+                entropies.append(entropy.detach())
         return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
 
-    def _row_chunks(self, rows):
-        # Rows of a rollout are scored `per_device_train_batch_size` at a time: the activations of one micro-batch
-        chunk = self.args.per_device_train_batch_size
-        return [slice(start, start + chunk) for start in range(0, rows, chunk)]
+    def _row_chunks(self, attention_mask, model):
+        """The slices of rows that `model` scores in one forward each: `per_device_train_batch_size` rows (the
+        activations of one micro-batch), or up to `max_tokens_per_micro_batch` tokens."""
+        args = self.args
+        rows, budget = attention_mask.size(0), args.max_tokens_per_micro_batch
+        if budget is None:
+            chunk = args.per_device_train_batch_size
+            return [slice(start, start + chunk) for start in range(0, rows, chunk)]
+        if args.padding_free:
+            lengths = attention_mask.sum(dim=1)
+        else:
+            lengths = attention_mask.new_full((rows,), attention_mask.size(1))
+        chunks = token_budget_chunks(lengths, budget)
+        if self._forward_is_collective(model):
+            # Every process runs as many forwards as the process that needs the most (each has as many rows for such
+            # a model, see `_rows_by_teacher`)
+            count = self.accelerator.gather(torch.tensor([len(chunks)], device=attention_mask.device)).max().item()
+            chunks = token_budget_chunks(lengths, budget, count=count)
+        return chunks
+
+    def _packed_rows(self, input_ids, attention_mask, logits_to_keep):
+        # With `padding_free`, the rows of a forward as one sequence of their real tokens; padded as given otherwise
+        return pack_rows(input_ids, attention_mask, logits_to_keep) if self.args.padding_free else None
+
+    def _forward_is_collective(self, model):
+        # A sharded model's forward gathers its parameters, and DDP's wrapper broadcasts its buffers before each one
+        return self._shards_models or isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+    @property
+    def _shards_models(self):
+        # The student and the teachers are sharded under FSDP, and under DeepSpeed at ZeRO-3 only: TRL's
+        # `prepare_deepspeed` runs a teacher whole (stage 0) below.
+        return self.is_fsdp_enabled or (
+            self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
+        )
 
     def _scores_with_trl_kernels(self, model, device):
         # TRL's fused head is the right kernel where it runs Triton, and the only one that knows every model's logit
@@ -192,24 +216,61 @@ class CompletionScoringMixin:
             or any(getattr(config, name, None) is not None for name in LOGIT_POSTPROCESSING_ATTRIBUTES)
         )
 
-    def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, with_entropy):
+    def _fused_head_logps(self, model, input_ids, attention_mask, logits_to_keep, packed, with_entropy):
+        """Through TRL's fused LM head: the log-probabilities (and entropies) of the completion tokens, `(B, T)`."""
+        if packed is None:
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            inputs = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        else:
+            labels = torch.full_like(packed.input_ids, -100)
+            labels[0, packed.predictors + 1] = packed.targets
+            inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, labels=labels)
         with self.accelerator.autocast():
-            hidden = self._get_last_hidden_state(unwrapped, input_ids, attention_mask, logits_to_keep)
+            outputs = model(**inputs, fused_lm_head=True)
+        scores = [outputs.log_probs, outputs.entropy if with_entropy else None]
+        # The head's outputs are 0 where the label is -100, padding included
+        if packed is None:
+            return [None if x is None else x[:, -logits_to_keep:].float() for x in scores]
+        return [None if x is None else unpack_completions(x[0, packed.predictors].float(), packed) for x in scores]
+
+    def _completion_hidden_states(self, unwrapped, input_ids, attention_mask, logits_to_keep, packed=None):
+        """The last hidden states that predict the completion tokens: `(B, T, H)`, or, `packed`, `(M, H)` of its
+        scored tokens."""
+        if packed is None:
+            return self._get_last_hidden_state(unwrapped, input_ids, attention_mask, logits_to_keep)
+        if is_peft_model(unwrapped):
+            unwrapped = unwrapped.base_model.model
+        # Without a cache: transformers reads restarting `position_ids` as packed rows only then
+        hidden = unwrapped.base_model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False
+        ).last_hidden_state
+        return hidden[0, packed.predictors]
+
+    def _completion_logps(self, unwrapped, input_ids, attention_mask, logits_to_keep, with_entropy, packed=None):
+        with self.accelerator.autocast():
+            hidden = self._completion_hidden_states(unwrapped, input_ids, attention_mask, logits_to_keep, packed)
         head = unwrapped.get_output_embeddings()
         with torch.autocast(hidden.device.type, enabled=False):
             scores = sampled_token_logprobs(
                 hidden,
                 head.weight,
                 head.bias,
-                input_ids[:, -logits_to_keep:],
+                input_ids[:, -logits_to_keep:] if packed is None else packed.targets,
                 temperature=self.temperature,
                 return_entropy=with_entropy,
             )
-        return scores if with_entropy else (scores, None)
+        scores = scores if with_entropy else (scores, None)
+        if packed is None:
+            padding = attention_mask[:, -logits_to_keep:] == 0
+            return [None if x is None else x.masked_fill(padding, 0.0) for x in scores]
+        return [None if x is None else unpack_completions(x, packed) for x in scores]
 
     def _exact_divergences(self, teacher_model, input_ids, attention_mask, logits_to_keep):
         reverse_kl, tv = [], []
-        for rows in self._row_chunks(input_ids.size(0)):  # the peak stays one micro-batch's, whatever the rollout size
+        # The peak stays one forward's, whatever the rollout size
+        for rows in self._row_chunks(attention_mask, self.model_wrapped):
+            packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
             hidden_states, heads = [], []
             for wrapped in (self.model_wrapped, teacher_model):
                 unwrapped = self.accelerator.unwrap_model(wrapped)
@@ -219,19 +280,22 @@ class CompletionScoringMixin:
                     hidden = self._forward_redirection(
                         wrapped,
                         unwrapped,
-                        self._get_last_hidden_state,
+                        self._completion_hidden_states,
                         unwrapped,
                         input_ids[rows],
                         attention_mask[rows],
                         logits_to_keep,
+                        packed,
                     )
-                hidden_states.append(hidden)
+                hidden_states.append(hidden if packed is None else hidden[None])
                 heads.append(unwrapped.get_output_embeddings())
             params = [p for head in heads for p in (head.weight, head.bias) if p is not None]
             with maybe_gather_lm_head_ctx(*params):
                 chunk_reverse_kl, chunk_tv = exact_reverse_kl_and_tv(
                     *hidden_states, *heads, temperature=self.temperature
                 )
+            if packed is not None:
+                chunk_reverse_kl, chunk_tv = (unpack_completions(x[0], packed) for x in (chunk_reverse_kl, chunk_tv))
             reverse_kl.append(chunk_reverse_kl)
             tv.append(chunk_tv)
         return torch.cat(reverse_kl), torch.cat(tv)

@@ -435,10 +435,7 @@ def analyze_reward(study, results):
     from .plots import plot_curves
 
     out, k = study.results_dir, study.overrides["eval_k"]
-    benchmark = study.overrides.get("eval_benchmark", "tiny")
-    teacher = _aggregate(
-        run["summary"]["skills"][benchmark]["teacher_accuracy"] for runs in results.values() for run in runs
-    )
+    teacher = _aggregate(run["summary"]["teacher_accuracy"] for runs in results.values() for run in runs)
     student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
     rows = retention_rows(study, results, list(study.methods))
     header = {"selected": "Selected", "final": "Final", "late_mean": "LateMean", "peak_drop": "PeakDrop"}

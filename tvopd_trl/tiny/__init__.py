@@ -30,6 +30,11 @@ pair (about 4 minutes, bit-identical).
 >>> evaluate_accuracy(student, tokenizer, "test")  # mean@4 at temperature 0.6, top-p 0.95, top-k 20
 ```
 
+The weak teacher (``checkpoints/weak_teacher``, ``weak_teacher_path()``) is an imperfect teacher of the same task,
+tokenizer and architecture: a checkpoint of the seeded build taken in its accuracy transition, that solves 65% of the
+held-out split (k=4: 0.649; greedy 0.722). ``embedded_teacher: weak`` distills the student from it (with ``embedded_task: addition``);
+``python -m tvopd_trl.tiny.build`` rebuilds it beside the pair.
+
 The multi-teacher family (``checkpoints/multi_teacher``) adds a second skill, two-digit subtraction
 (``"Compute 86 - 47."`` -> ``\\boxed{39}``, ``a > b``), with the same tokenizer: a student weak at both skills and
 one teacher per skill that masters only its own, named by its skill (the `teacher_id` of the rows it supervises).
@@ -83,6 +88,12 @@ def student_path():
     return os.path.join(CHECKPOINTS_DIR, "student")
 
 
+def weak_teacher_path():
+    """Directory of the shipped weak teacher: an imperfect teacher of the default pair's task, a checkpoint of the
+    seeded build taken in its accuracy transition, that solves 60-75% of the held-out split."""
+    return os.path.join(CHECKPOINTS_DIR, "weak_teacher")
+
+
 def multi_teacher_paths():
     """Directories of the shipped multi-teacher family: `{"student": path, "teachers": {teacher_id: path}}`, one
     teacher per skill of `SKILLS`, keyed like TRL's `teacher_server_urls` (by the `teacher_id` of its rows)."""
@@ -120,4 +131,5 @@ __all__ = [
     "tiny_benchmark",
     "VLLM_DIR",
     "vllm_paths",
+    "weak_teacher_path",
 ]
