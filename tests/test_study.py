@@ -157,7 +157,7 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
         tmp_path,
         "study_reward",
         methods=lambda raw: {slug: raw["methods"][slug] for slug in ("tv", "tv_reward_1")},
-        analysis={"late_window": [2, 4, 2], "reward_methods": ["tv_reward_1"]},
+        analysis=lambda raw: raw["analysis"] | {"late_window": [2, 4, 2], "metric_methods": ["tv_reward_1"]},
     )
 
     results = tmp_path / "results"
@@ -166,7 +166,10 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
     aggregates = json.loads((results / "results.json").read_text())["aggregates"]
     summary = json.loads((tmp_path / "runs" / "tv_reward_1" / "seed-0" / "summary.json").read_text())
     assert aggregates["Teacher"][0] == summary["teacher_accuracy"]
-    assert aggregates["Reward"]["TV-OPD + reward (alpha=1)"]["final"][0] == summary["student_accuracy_after"]
+    row = aggregates["Against the teacher"]["TV-OPD + reward (alpha=1)"]
+    assert row["final"][0] == summary["student_accuracy_after"] and row["minutes"][0] * 6000 == pytest.approx(
+        summary["wall_seconds"]
+    )
     assert "| Teacher |" in (results / "tables.md").read_text()
 
 

@@ -19,6 +19,7 @@ run shares, the methods (each a set of recipe overrides) and the seeds. Run `i` 
 cleared and run again. A finished run whose settings differ from the study's is an error, never silently reused.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -44,7 +45,10 @@ ANALYSIS_KEYS = {
 
 @dataclass
 class Study:
-    """A parsed study file. `methods` maps a folder name to `{"name": title, **recipe overrides}`."""
+    """A parsed study file. `methods` maps a folder name to `{"name": title, **recipe overrides}`. With
+    `rollout_server` (a model path, or `embedded_vllm` for the vLLM-ready embedded student), every run gets a vLLM
+    server of its own, started for it on a free loopback port (`tvopd_trl.testing.LocalVLLMServer`) and stopped after
+    it: the recipe's server-mode rollouts go there."""
 
     recipe: str
     output_dir: str
@@ -54,6 +58,7 @@ class Study:
     parallel: int = 2
     overrides: dict = field(default_factory=dict)
     analysis: dict = field(default_factory=dict)
+    rollout_server: str | None = None
 
 
 @dataclass
@@ -86,8 +91,8 @@ def load_study(path):
     for slug, method in study.methods.items():
         if not isinstance(method, dict) or "name" not in method:
             raise ValueError(f"{path}: method {slug!r} needs a `name` (its title in tables) and its recipe overrides.")
-    # A study across skills (several teachers) and one of a task reward have their own analyses.
-    if not {"skills", "reward_methods"} & set(study.analysis):
+    # A study across skills (several teachers) and one against a single teacher have their own analyses.
+    if not {"skills", "metric_methods"} & set(study.analysis):
         missing = sorted(ANALYSIS_KEYS - set(study.analysis))
         if missing:
             raise ValueError(f"{path}: `analysis` lacks {missing}.")
@@ -172,6 +177,23 @@ def _check_settings(study, run):
         )
 
 
+@contextlib.contextmanager
+def _rollout_server(study, run):
+    """The URL of the run's own rollout server (see `Study`), or None without one."""
+    if study.rollout_server is None:
+        yield None
+        return
+    from .testing import LocalVLLMServer
+    from .tiny import vllm_paths
+
+    model = vllm_paths()["student"] if study.rollout_server == "embedded_vllm" else study.rollout_server
+    server = LocalVLLMServer(model, run.directory)
+    try:
+        yield server.wait_ready().url
+    finally:
+        server.stop()
+
+
 def _execute(study, run, log):
     if os.path.isdir(run.directory):
         log(f"{run.directory}: interrupted earlier, starting it again")
@@ -181,10 +203,13 @@ def _execute(study, run, log):
         json.dump({"recipe": study.recipe, "settings": run.settings}, f, indent=2)
     command = [sys.executable, "-m", "tvopd_trl.scripts.train", "--config", study.recipe, *_flags(run.settings)]
     start = time.perf_counter()
-    with open(os.path.join(run.directory, "train.log"), "w") as output:
+    with _rollout_server(study, run) as url, open(os.path.join(run.directory, "train.log"), "w") as output:
         # One thread per run: `parallel` runs share the cores without oversubscribing them.
         result = subprocess.run(
-            command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            command + ([] if url is None else ["--vllm_server_base_url", url]),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     if result.returncode != 0:
         raise RuntimeError(
@@ -428,46 +453,45 @@ def analyze_skills(study, results):
     return {"Accuracy per skill": rows}, tables, figures
 
 
-def analyze_reward(study, results):
-    """A study of a task reward beside an imperfect teacher: each method's retention numbers against the teacher's
-    accuracy, and its accuracy, c_k, reward and term-ratio curves."""
+def analyze_against_teacher(study, results):
+    """A study against one teacher (the task reward's, the asynchronous rollouts'): each method's retention numbers
+    and wall time beside the teacher's accuracy, its accuracy curves, and a figure per logged metric of
+    `analysis.metric_curves` (`{file name: metric}`) for the methods of `analysis.metric_methods`."""
     from .eval.tables import format_table
     from .plots import plot_curves
 
-    out, k = study.results_dir, study.overrides["eval_k"]
+    out, k, analysis = study.results_dir, study.overrides["eval_k"], study.analysis
     teacher = _aggregate(run["summary"]["teacher_accuracy"] for runs in results.values() for run in runs)
     student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
     rows = retention_rows(study, results, list(study.methods))
-    header = {"selected": "Selected", "final": "Final", "late_mean": "LateMean", "peak_drop": "PeakDrop"}
+    for method, runs in results.items():
+        # minutes, divided by the table's percent scale
+        rows[study.methods[method]["name"]]["minutes"] = _aggregate(r["summary"]["wall_seconds"] / 6000 for r in runs)
+    header = {
+        "selected": "Selected",
+        "final": "Final",
+        "late_mean": "LateMean",
+        "peak_drop": "PeakDrop",
+        "minutes": "Wall time (min)",
+    }
     fixed = {
         "Teacher": {"selected": teacher, "final": teacher},
         "Student (step 0)": {"selected": student, "final": student},
     }
-    table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop",), fixed_rows=fixed)
-    window = list(_steps(study.analysis["late_window"]))
+    table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop", "minutes"), fixed_rows=fixed)
+    window = list(_steps(analysis["late_window"]))
     tables = (
-        f"### A task reward beside the teacher\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; "
-        f"LateMean over steps {window}, PeakDrop = max over steps - LateMean (lower is better). Bold best, underlined "
-        f"second.\n\n{table}\n"
+        f"### Against the teacher\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; LateMean over "
+        f"steps {window}, PeakDrop = max over steps - LateMean (lower is better); wall time of each run, on a machine "
+        f"running {study.parallel} at a time. Bold best, underlined second.\n\n{table}\n"
     )
-    methods = study.analysis["reward_methods"]
-    figures = {
-        "curves.png": (_curves(study, results, list(study.methods)), f"Held-out mean@{k}", {}),
-        "tv_scale.png": (
-            _curves(study, results, methods, "tv/scale"),
-            "tv/scale (c_k)",
-            {"ylabel": "c_k", "scale": 1},
-        ),
-        "reward.png": (_curves(study, results, methods, "reward"), "Training reward (accuracy)", {}),
-        "reward_to_distill.png": (
-            _curves(study, results, methods, "advantage/reward_to_distill"),
-            "mean |alpha A_reward| / mean |A_distill|",
-            {"ylabel": "ratio", "scale": 1},
-        ),
-    }
-    for name, (curves, title, options) in figures.items():
-        plot_curves(curves, os.path.join(out, name), title, **options)
-    return {"Reward": rows, "Teacher": teacher}, tables, list(figures)
+    plot_curves(_curves(study, results, list(study.methods)), os.path.join(out, "curves.png"), f"Held-out mean@{k}")
+    figures = ["curves.png"]
+    for name, metric in analysis.get("metric_curves", {}).items():
+        curves = _curves(study, results, analysis["metric_methods"], metric)
+        plot_curves(curves, os.path.join(out, name), metric, ylabel=metric, scale=1)
+        figures.append(name)
+    return {"Against the teacher": rows, "Teacher": teacher}, tables, figures
 
 
 def analyze(study, log=print):
@@ -480,7 +504,7 @@ def analyze(study, log=print):
     out = study.results_dir
     os.makedirs(out, exist_ok=True)
     analysis = study.analysis
-    for key, analysis_of in (("skills", analyze_skills), ("reward_methods", analyze_reward)):
+    for key, analysis_of in (("skills", analyze_skills), ("metric_methods", analyze_against_teacher)):
         if key in analysis:
             numbers, tables, figures = analysis_of(study, results)
             return _write_results(study, results, numbers, [tables], figures, log)
