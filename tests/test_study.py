@@ -173,7 +173,9 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
     assert "| Teacher |" in (results / "tables.md").read_text()
 
 
-@pytest.mark.parametrize("name", ["study", "study_smoke", "study_multi_teacher", "study_long", "study_reward"])
+@pytest.mark.parametrize(
+    "name", ["study", "study_smoke", "study_multi_teacher", "study_long", "study_reward", "study_async"]
+)
 def test_every_shipped_study_file_loads(name):
     study = load_study(f"recipes/tiny/{name}.yaml")
     assert len(grid(study)) == len(study.methods) * len(study.seeds)
