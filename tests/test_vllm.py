@@ -381,3 +381,27 @@ def test_a_task_reward_with_server_rollouts(servers, tokenizer, tmp_path):
         assert 0 <= entry["rewards/recording_accuracy/mean"] <= 1 and entry["rewards/unscorable"] == 0
         assert 0 < entry["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE
     assert any(entry["advantage/reward_abs_mean"] > 0 for entry in logs), "no group had samples of unequal reward"
+
+
+def test_a_study_gives_each_run_a_rollout_server_of_its_own(tmp_path):
+    """`rollout_server` in a study file: every run trains against a vLLM server started for it, stopped after it."""
+    from tvopd_trl.study import load_study, run_grid
+
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(
+        "recipe: tiny/vllm_server\n"
+        f"output_dir: {tmp_path / 'runs'}\nresults_dir: {tmp_path / 'results'}\n"
+        "seeds: [0]\nparallel: 1\nrollout_server: embedded_vllm\n"
+        "overrides: {max_steps: 3, logging_steps: 1, eval_problems: 8, eval_k: 2, eval_every_steps: 0, "
+        "per_device_train_batch_size: 16}\n"
+        "methods: {s1: {name: TV-OPD (max_staleness 1), max_staleness: 1}}\n"
+        "analysis: {late_window: [3, 3, 1], metric_methods: [s1]}\n"
+    )
+    run_grid(load_study(str(study_file)))
+    run = tmp_path / "runs" / "s1" / "seed-0"
+    logs = json.load(open(run / "log_history.json"))
+    assert [entry["async/staleness/max"] for entry in logs if "tv/scale" in entry][1:] == [1.0, 1.0]
+    # The run's own server sampled every rollout and took the weights after every step
+    (server_log,) = run.glob("vllm-*.log")
+    requests_made = server_log.read_text()
+    assert requests_made.count('"POST /v1/completions') >= 3 and requests_made.count('"POST /collective_rpc') >= 3
