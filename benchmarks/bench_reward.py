@@ -9,14 +9,9 @@ trainer's part: decoding, the call, the gather, the group normalisation, the rew
 alternate in one process so that machine drift hits both; the first step of each run is dropped.
 """
 
-import argparse
 import statistics
 
-import torch
-from bench_tiny_step import run
-
-from tvopd_trl.testing import build_tokenizer
-from tvopd_trl.tiny import prompt_dataset
+from bench_tiny_step import run, setup
 
 
 def completion_length(completion_ids, **kwargs):
@@ -24,13 +19,7 @@ def completion_length(completion_ids, **kwargs):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    cli = parser.parse_args()
-    torch.set_num_threads(1)
-    tokenizer = build_tokenizer()
-    prompts = prompt_dataset("opd", n=1024)
+    cli, tokenizer, prompts = setup()
     common = dict(num_generations=4)
     arms = {
         "no reward": dict(common),

@@ -63,14 +63,18 @@ def run(mode, tokenizer, prompts, steps, callbacks=(), **overrides):
     return timer.seconds[1:]
 
 
-def main():
+def setup():
+    """The command line (`--rounds`, `--steps`), the test tokenizer and 1,024 OPD prompts, on one thread."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     cli = parser.parse_args()
     torch.set_num_threads(1)
-    tokenizer = build_tokenizer()
-    prompts = prompt_dataset("opd", n=1024)
+    return cli, build_tokenizer(), prompt_dataset("opd", n=1024)
+
+
+def main():
+    cli, tokenizer, prompts = setup()
     seconds = {"tv": [], "raw": []}
     for _ in range(cli.rounds):
         for mode in seconds:
