@@ -15,6 +15,7 @@ from trl import DistillationConfig, ModelConfig, SFTConfig
 from tvopd_trl import async_rollouts as async_rollouts_module
 from tvopd_trl import callbacks as callbacks_module
 from tvopd_trl import metrics as metrics_module
+from tvopd_trl import rewards as rewards_module
 from tvopd_trl import scoring as scoring_module
 from tvopd_trl import trainer as trainer_module
 from tvopd_trl.advantages import ADVANTAGE_MODES
@@ -175,7 +176,9 @@ def _logged_metrics():
     """The metric names TVOPDTrainer records (its source is the source of truth), and those TRL's base trainer adds."""
     names = "|".join(METRIC_GROUPS[:-1])
     # The trainer logs its own metrics, those of `metrics.StepStatistics` and those of its callbacks
-    source = "".join(inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module))
+    source = "".join(
+        inspect.getsource(module) for module in (trainer_module, metrics_module, callbacks_module, rewards_module)
+    )
     ours = set(
         re.findall(rf'"((?:{names})/[\w/]+|policy_loss|entropy|reward|reward_std|frac_reward_zero_std)"', source)
     )

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from trl.data_utils import is_conversational
 from trl.trainer.utils import get_callable_name, nanstd
 
 
@@ -126,3 +127,44 @@ def group_advantages(table, weights, num_generations, scale_rewards="group"):
         advantages = advantages / (std + 1e-4)
     zero_std = torch.isclose(std, torch.zeros_like(std))
     return torch.nan_to_num(advantages, nan=0.0), rewards, zero_std, unscorable
+
+
+class RewardScoringMixin:
+    """The task-reward half of [`TVOPDTrainer`]: it reads the trainer's `reward_funcs`, `reward_func_names`,
+    `reward_weights`, `args`, `accelerator`, `processing_class`, `state` and `_metrics`."""
+
+    def reward_advantages(self, prompts, batch):
+        """The `(B,)` reward advantage of each completion of `batch` (from `generate_completions(prompts)`): the reward
+        functions' weighted sum, normalised within each prompt's group of `num_generations` over all processes as TRL
+        GRPO does (`tvopd_trl.rewards.group_advantages`). Logs GRPO's reward metrics."""
+        completion_ids = [
+            ids[mask.bool()].tolist()
+            for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
+        ]
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        conversational = is_conversational(prompts[0])
+        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        columns = {key: [row[key] for row in prompts] for key in prompts[0] if key not in ("prompt", "completion")}
+        local = reward_table(
+            self.reward_funcs,
+            self.reward_func_names,
+            [row["prompt"] for row in prompts],
+            completions,
+            completion_ids,
+            trainer_state=self.state,
+            **columns,
+        )
+        table = self.accelerator.gather(local.to(self.accelerator.device))
+        advantages, rewards, zero_std, unscorable = group_advantages(
+            table, self.reward_weights, self.args.num_generations, self.args.scale_rewards
+        )
+        metrics = self._metrics["train"]
+        for index, name in enumerate(self.reward_func_names):
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(table[:, index]).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(table[:, index]).item())
+        metrics["reward"].append(torch.nanmean(rewards).item())
+        metrics["reward_std"].append(nanstd(rewards).item())
+        metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
+        metrics["rewards/unscorable"].append(unscorable.float().mean().item())
+        rows = len(prompts)
+        return advantages[self.accelerator.process_index * rows : (self.accelerator.process_index + 1) * rows]

@@ -22,11 +22,9 @@ from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
-from trl.data_utils import is_conversational
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import (
     RepeatSampler,
-    nanstd,
     pad,
     repeat_iterable_dataset,
     shuffle_sequence_dict,
@@ -49,7 +47,7 @@ from .checks import (
 from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
-from .rewards import group_advantages, resolve_reward_funcs, reward_table
+from .rewards import RewardScoringMixin, resolve_reward_funcs
 from .scoring import CompletionScoringMixin
 from .served_teacher import connect_teacher_pool
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
@@ -75,7 +73,9 @@ class _OptimizerStepHooks(TrainerCallback):
         self.trainer._finish_optimizer_step()
 
 
-class TVOPDTrainer(CompletionScoringMixin, AsyncRolloutMixin, RolloutCheckpointMixin, DistillationTrainer):
+class TVOPDTrainer(
+    CompletionScoringMixin, RewardScoringMixin, AsyncRolloutMixin, RolloutCheckpointMixin, DistillationTrainer
+):
     """
     Trainer for TV-Regulated On-Policy Distillation (TV-OPD) and the sampled-token OPD baselines it is compared with.
 
@@ -480,41 +480,6 @@ class TVOPDTrainer(CompletionScoringMixin, AsyncRolloutMixin, RolloutCheckpointM
             width = output["completion_ids"].size(1)  # completions may be padded to `pad_to_multiple_of`
             output["sampler_logps"] = torch.nn.functional.pad(sampler_logps, (0, width - sampler_logps.size(1)))
         return output
-
-    def reward_advantages(self, prompts, batch):
-        """The `(B,)` reward advantage of each completion of `batch` (from `generate_completions(prompts)`): the reward
-        functions' weighted sum, normalised within each prompt's group of `num_generations` over all processes as TRL
-        GRPO does (`tvopd_trl.rewards.group_advantages`). Logs GRPO's reward metrics."""
-        completion_ids = [
-            ids[mask.bool()].tolist() for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
-        ]
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        conversational = is_conversational(prompts[0])
-        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
-        columns = {key: [row[key] for row in prompts] for key in prompts[0] if key not in ("prompt", "completion")}
-        local = reward_table(
-            self.reward_funcs,
-            self.reward_func_names,
-            [row["prompt"] for row in prompts],
-            completions,
-            completion_ids,
-            trainer_state=self.state,
-            **columns,
-        )
-        table = self.accelerator.gather(local.to(self.accelerator.device))
-        advantages, rewards, zero_std, unscorable = group_advantages(
-            table, self.reward_weights, self.args.num_generations, self.args.scale_rewards
-        )
-        metrics = self._metrics["train"]
-        for index, name in enumerate(self.reward_func_names):
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(table[:, index]).item())
-            metrics[f"rewards/{name}/std"].append(nanstd(table[:, index]).item())
-        metrics["reward"].append(torch.nanmean(rewards).item())
-        metrics["reward_std"].append(nanstd(rewards).item())
-        metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
-        metrics["rewards/unscorable"].append(unscorable.float().mean().item())
-        rows = len(prompts)
-        return advantages[self.accelerator.process_index * rows : (self.accelerator.process_index + 1) * rows]
 
     def generate_and_score(self, prompts):
         """[`~TVOPDTrainer.generate_completions`] with `teacher_logps` and `loss_mask` (see
