@@ -174,7 +174,17 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["study", "study_smoke", "study_multi_teacher", "study_long", "study_reward", "study_async"]
+    "name",
+    [
+        "study",
+        "study_smoke",
+        "study_multi_teacher",
+        "study_long",
+        "study_reward",
+        "study_async",
+        "study_async_lr",
+        "study_async_steps",
+    ],
 )
 def test_every_shipped_study_file_loads(name):
     study = load_study(f"recipes/tiny/{name}.yaml")
