@@ -183,6 +183,7 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
         "study_reward",
         "study_async",
         "study_async_lr",
+        "study_async_lr3e-4",
         "study_async_steps",
     ],
 )
