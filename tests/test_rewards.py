@@ -1,6 +1,7 @@
 """A task reward beside the teacher: TRL GRPO's reward plumbing and group normalisation, the advantage A_t = A_distill_t
 + alpha * A_reward, its metrics, and its errors (docs/method.md, section 9)."""
 
+import asyncio
 import math
 
 import pytest
@@ -86,6 +87,36 @@ def test_reward_table_calls_functions_as_grpo_does_and_names_the_one_that_fails(
         resolve_reward_funcs("accurac")
     with pytest.raises(TypeError, match="callable or a registered name"):
         resolve_reward_funcs([3])
+
+
+def test_async_reward_functions_run_concurrently_inside_a_running_event_loop():
+    # A Jupyter cell runs in an event loop, where `asyncio.run` raises; GRPOTrainer runs them on a loop of its own.
+    # Each function waits for the other two at the barrier: run one after the other, they would never get past it.
+    barrier = asyncio.Barrier(3)
+
+    def scaled(factor):
+        async def reward(completion_ids, **kwargs):
+            await asyncio.wait_for(barrier.wait(), timeout=30)
+            return [factor * len(ids) for ids in completion_ids]
+
+        reward.__name__ = f"times_{factor}"
+        return reward
+
+    async def failing(**kwargs):
+        await asyncio.sleep(0)
+        raise KeyError("solution")
+
+    def score(funcs):
+        return reward_table(funcs, [func.__name__ for func in funcs], ["p1", "p2"], ["c1", "c2"], [[1, 2], [3]])
+
+    async def notebook_cell():
+        table = score([scaled(1.0), token_sum, scaled(2.0), scaled(0.5)])
+        with pytest.raises(RuntimeError, match="reward function 'failing' raised KeyError"):
+            score([token_sum, failing])
+        return table
+
+    table = asyncio.run(notebook_cell())
+    torch.testing.assert_close(table, torch.tensor([[2.0, 3.0, 4.0, 1.0], [1.0, 3.0, 2.0, 0.5]]))
 
 
 def test_accuracy_reward_grades_with_math_verify_against_the_solution_or_answer_column():

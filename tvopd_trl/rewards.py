@@ -15,13 +15,15 @@
 the registered names a recipe gives, and GRPO's group normalisation of the weighted reward into a sequence advantage."""
 
 import asyncio
+import atexit
 import inspect
 import math
+import threading
 from collections.abc import Callable
 
 import torch
 from trl.data_utils import is_conversational
-from trl.trainer.utils import get_callable_name, nanstd
+from trl.trainer.utils import get_callable_name, nanstd, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 
 def accuracy_reward(completions, solution=None, answer=None, **kwargs) -> list[float | None]:
@@ -64,25 +66,53 @@ def resolve_reward_funcs(reward_funcs) -> tuple[list[Callable], list[str]]:
     return funcs, [get_callable_name(func) for func in funcs]
 
 
+_loop, _loop_lock = None, threading.Lock()
+
+
+def _reward_loop():
+    """The event loop async reward functions run on: our own, in a daemon thread, as in GRPOTrainer, because
+    `asyncio.run` raises inside a running loop (every Jupyter cell). Started on first use."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            thread, loop, ready = start_event_loop_in_daemon(name="tvopd-trl-rewards")
+            ready.wait()
+            atexit.register(shutdown_event_loop_in_daemon, thread, loop)
+            _loop = loop
+    return _loop
+
+
 def reward_table(funcs, names, prompts, completions, completion_ids, **columns) -> torch.Tensor:
     """
     The `(B, len(funcs))` float32 rewards of B completions, NaN where a function returned `None` (or NaN): it skips
     that completion. Each function is called as `GRPOTrainer` calls it, `func(prompts=, completions=, completion_ids=,
-    **columns)`, with the prompts' other dataset columns and `trainer_state` in `columns`; an async one is run to
-    completion. A function that raises, returns the wrong number of rewards or an infinite one stops the step with
-    an error that names it.
+    **columns)`, with the prompts' other dataset columns and `trainer_state` in `columns`; the async ones run
+    concurrently on an event loop of our own, so scoring also works inside a running one (a notebook). A function that
+    raises, returns the wrong number of rewards or an infinite one stops the step with an error that names it.
     """
-    table = torch.full((len(prompts), len(funcs)), math.nan)
-    for index, (func, name) in enumerate(zip(funcs, names, strict=True)):
+    outputs = []
+    for func in funcs:
         try:
-            rewards = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-            if inspect.isawaitable(rewards):
-                rewards = asyncio.run(rewards)
+            outputs.append(func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
         except Exception as error:
+            outputs.append(error)
+    pending = [index for index, output in enumerate(outputs) if inspect.isawaitable(output)]
+    if pending:
+
+        async def gather():
+            return await asyncio.gather(*(outputs[index] for index in pending), return_exceptions=True)
+
+        results = asyncio.run_coroutine_threadsafe(gather(), _reward_loop()).result()
+        for index, output in zip(pending, results, strict=True):
+            outputs[index] = output
+
+    table = torch.full((len(prompts), len(funcs)), math.nan)
+    for index, (rewards, name) in enumerate(zip(outputs, names, strict=True)):
+        if isinstance(rewards, BaseException):  # gather returns a cancelled one too
             raise RuntimeError(
-                f"The reward function {name!r} raised {type(error).__name__}: {error}. A completion it cannot score "
-                "gets `None` (a skip), not an exception."
-            ) from error
+                f"The reward function {name!r} raised {type(rewards).__name__}: {rewards}. A completion it cannot "
+                "score gets `None` (a skip), not an exception."
+            ) from rewards
         rewards = list(rewards)
         if len(rewards) != len(prompts):
             raise ValueError(
