@@ -91,12 +91,15 @@ def test_reward_table_calls_functions_as_grpo_does_and_names_the_one_that_fails(
 
 def test_async_reward_functions_run_concurrently_inside_a_running_event_loop():
     # A Jupyter cell runs in an event loop, where `asyncio.run` raises; GRPOTrainer runs them on a loop of its own.
-    # Each function waits for the other two at the barrier: run one after the other, they would never get past it.
-    barrier = asyncio.Barrier(3)
+    # Each function waits until all three have started: run one after the other, the first would wait in vain.
+    started, all_started = [], asyncio.Event()
 
     def scaled(factor):
         async def reward(completion_ids, **kwargs):
-            await asyncio.wait_for(barrier.wait(), timeout=30)
+            started.append(factor)
+            if len(started) == 3:
+                all_started.set()
+            await asyncio.wait_for(all_started.wait(), timeout=30)
             return [factor * len(ids) for ids in completion_ids]
 
         reward.__name__ = f"times_{factor}"
