@@ -67,6 +67,21 @@ def test_pack_rows_puts_each_rows_real_tokens_back_to_back():
     assert scores.grad.tolist() == [1.0] * 6
 
 
+@pytest.mark.parametrize("row", [0, 1])
+def test_pack_rows_refuses_a_completion_with_no_token_before_it(row):
+    # A prompt that tokenized to nothing: its first completion token would be scored from the previous row's last token
+    # (from the pack's last one in row 0)
+    input_ids = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24]])
+    input_ids[row, :2] = 0
+    with pytest.raises(ValueError, match=rf"row {row} has no token before its first completion token.*BOS"):
+        pack_rows(input_ids, (input_ids != 0).long(), logits_to_keep=2)
+    # A row with neither a prompt nor a completion token scores nothing and is packed to nothing
+    input_ids[row, 2:] = 0
+    packed = pack_rows(input_ids, (input_ids != 0).long(), logits_to_keep=2)
+    assert packed.input_ids.tolist() == [input_ids[1 - row].tolist()] and packed.targets.numel() == 2
+    assert packed.scored[row].tolist() == [False, False]
+
+
 def test_token_budget_chunks():
     lengths = torch.tensor([3, 4, 9, 1, 1, 2])
     assert token_budget_chunks(lengths, 8) == [slice(0, 2), slice(2, 3), slice(3, 6)]  # the 9-token row goes alone

@@ -48,8 +48,19 @@ class PackedRows:
 
 def pack_rows(input_ids, attention_mask, logits_to_keep):
     """Packs `(B, L)` `input_ids` whose real tokens `attention_mask` marks, of which the last `logits_to_keep` columns
-    are the completions to score. Every row needs a real token before its first scored one (a prompt)."""
+    are the completions to score.
+
+    A completion token is scored from the token before it, so a row with completion tokens needs a prompt token: one
+    whose prompt tokenized to nothing (an empty plain-text prompt, a tokenizer that adds no BOS token) is refused, as
+    nothing in its own row predicts its first token. A row with no token at all packs to nothing."""
     real = attention_mask.bool()
+    unpredicted = real[:, -logits_to_keep:].any(dim=1) & ~real[:, :-logits_to_keep].any(dim=1)
+    if unpredicted.any():
+        raise ValueError(
+            f"padding_free: row {unpredicted.nonzero()[0].item()} has no token before its first completion token (its "
+            "prompt tokenized to nothing), so nothing predicts that token. Give every prompt at least one token: "
+            "drop empty prompts, use a chat template, or a tokenizer that adds a BOS token."
+        )
     # Position of each real token in the packed sequence, read off the row-major running count
     packed_index = real.flatten().cumsum(0).view_as(real) - 1
     position_ids = real.cumsum(dim=1) - 1
