@@ -145,11 +145,97 @@ def test_a_slow_server_shows_in_the_trainers_wait(monkeypatch):
             _, statistics = producer.take(0)
         assert 0.3 < statistics.wait_seconds < 3.0
         # ... and in the log while it lasts: not a silent hang
-        assert f"for rollout batch 0 from the vLLM server at {SERVER}" in captured.out
+        assert f"s on the vLLM server at {SERVER}: rollout batch 0." in captured.out
         # the server was never idle for want of work: it sampled as soon as rollout 0 was submitted
         assert producer.collect_sampler_wait() < 0.1
     finally:
         producer.close()
+
+
+def test_a_weight_sync_that_waits_for_the_request_in_flight_warns_while_it_waits(monkeypatch):
+    """Steady state: the next batch is in flight when the step ends, so the trainer waits inside the weight sync."""
+    from transformers.testing_utils import CaptureLogger
+
+    from tvopd_trl import async_rollouts
+
+    monkeypatch.setattr(async_rollouts, "WAIT_WARNING_INTERVAL", 0.1)
+    producer, request = start(1, seconds=0.5)
+    try:
+        submit(producer, 0)
+        submit(producer, 1)
+        producer.take(0)
+        assert request.in_request.wait(5)  # rollout 1, sampled while step 1 trains
+        with CaptureLogger(async_rollouts.logger) as captured:
+            waited = producer.update_weights(sync_checking(request))
+        assert 0.2 < waited < 3.0
+        assert f"s on the vLLM server at {SERVER}: the end of the request in flight, before the weight sync." in (
+            captured.out
+        )
+    finally:
+        producer.close()
+
+
+def test_the_server_failures_found_at_a_weight_sync_go_through_agree():
+    """`agree` is where the trainer broadcasts the main process's failure to the others: it sees the failure found
+    before the sync and the sync's own, and raising there stops the sync and the version."""
+    producer, _ = start(1)
+    seen = []
+
+    def agree(failure):
+        seen.append(failure)
+        if failure is not None:
+            raise failure
+
+    def failing_sync():
+        raise ConnectionError("Connection refused")
+
+    try:
+        with pytest.raises(RolloutServerError, match="failed while loading the weights.*Connection refused"):
+            producer.update_weights(failing_sync, agree)
+        assert seen[0] is None and isinstance(seen[1], RolloutServerError) and producer.version == 0
+        producer.update_weights(lambda: None, agree)
+        assert seen[2:] == [None, None] and producer.version == 1
+    finally:
+        producer.close()
+
+
+def test_close_waits_for_the_request_in_flight():
+    producer, request = start(1, seconds=0.5)
+    submit(producer, 0)
+    assert request.in_request.wait(5)
+    producer.close()
+    assert not producer._thread.is_alive() and not request.in_request.is_set()
+
+
+def test_a_rollout_request_that_gets_no_answer_fails_in_time_naming_the_server():
+    """A stand-in for a stuck server (it accepts the connection and never answers; tests/test_vllm_async.py stops a
+    real one), behind the retrying session TRL's `VLLMClient` builds: a read that timed out is not sent again."""
+    import socket
+    import types
+
+    import requests
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    from tvopd_trl.async_rollouts import bound_request_time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    session = requests.Session()
+    session.mount(
+        "http://", HTTPAdapter(max_retries=Retry(total=5, read=5, backoff_factor=2, allowed_methods=["POST"]))
+    )
+    client = types.SimpleNamespace(session=session, base_url=url)
+    bound_request_time(client, 0.3)
+    try:
+        start_time = time.monotonic()
+        with pytest.raises(RolloutServerError, match=f"rollout server at {url} did not answer POST .* within 0.3 s"):
+            session.post(f"{url}/v1/completions", json={})
+        assert time.monotonic() - start_time < 2.0
+        with pytest.raises(RolloutServerError, match="within 0.1 s"):  # a request's own timeout stands
+            session.post(f"{url}/collective_rpc", json={}, timeout=0.1)
+    finally:
+        listener.close()
 
 
 def test_the_sampler_wait_is_the_servers_idle_time():
@@ -227,6 +313,23 @@ def test_a_streamed_dataset_is_refused(tmp_path):
     streamed = Dataset.from_list([{"prompt": "1 + 1"}]).to_iterable_dataset()
     with pytest.raises(ValueError, match="map-style dataset"):
         check_async_setup(args, streamed)
+
+
+def test_staleness_without_the_importance_correction_is_allowed_with_a_warning(tmp_path):
+    from transformers.testing_utils import CaptureLogger
+
+    from tvopd_trl import async_rollouts
+
+    args = tiny_config(
+        tmp_path, max_staleness=1, use_vllm=True, vllm_mode="server", vllm_importance_sampling_correction=False
+    )
+    with CaptureLogger(async_rollouts.logger) as captured:
+        async_rollouts.check_async_setup(args, Dataset.from_list([{"prompt": "1 + 1"}]))
+    assert "max_staleness=1 without vllm_importance_sampling_correction" in captured.out
+    with CaptureLogger(async_rollouts.logger) as captured:
+        args.vllm_importance_sampling_correction = True
+        async_rollouts.check_async_setup(args, Dataset.from_list([{"prompt": "1 + 1"}]))
+    assert captured.out == ""
 
 
 def test_a_negative_staleness_is_refused(tmp_path):

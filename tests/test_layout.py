@@ -117,3 +117,10 @@ def test_only_the_scripts_import_the_scripts():
         if not module.startswith("tvopd_trl.scripts")
     }
     assert not {module: targets for module, targets in importers.items() if targets}
+
+
+def test_the_trainer_reads_in_one_sitting():
+    # Each stage has a module of its own (docs/architecture.md); the trainer only composes them.
+    with open(os.path.join(PACKAGE_DIR, "trainer.py")) as source:
+        lines = len(source.read().splitlines())
+    assert lines <= 650, f"tvopd_trl/trainer.py has {lines} lines: move a stage out (docs/architecture.md)"

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -71,10 +72,45 @@ def step_logs(history):
     return {entry["step"]: entry for entry in history if "tv/scale" in entry}
 
 
+def record_server_traffic(trainer):
+    """Each request to the server (thread, start, end) and each weight sync (start, end) of the main process."""
+    generation, traffic = trainer.vllm_generation, {"requests": [], "syncs": []}
+
+    def timed(kind, function):
+        def call(*args, **kwargs):
+            start = time.monotonic()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                traffic[kind].append((threading.current_thread().name, start, time.monotonic()))
+
+        return call
+
+    generation.vllm_client.generate = timed("requests", generation.vllm_client.generate)
+    generation.sync_weights = timed("syncs", generation.sync_weights)
+    return traffic
+
+
+def producer_threads():
+    return [thread for thread in threading.enumerate() if thread.name == "tvopd-rollout-producer"]
+
+
+class SampleAfterStep(TrainerCallback):
+    """A monitoring callback: the public API samples one prompt after step 1, from the model in train mode."""
+
+    def __init__(self, trainer):
+        self.trainer, self.batches = trainer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.batches.append(self.trainer.generate_completions([self.trainer.train_dataset[0]]))
+
+
 @pytest.fixture(scope="module")
 def trained(server, tokenizer, tmp_path_factory):
     """4 steps at max_staleness 1 and lr 1e-2 (the weights move far in a step), evaluated after steps 2 and 4 (through
-    the same server, between the producer's requests), and the batches' prompts."""
+    the same server, between the producer's requests) and once more after `train()`, the batches' prompts, the
+    server's traffic and a callback's sampling."""
     trainer = async_trainer(
         tmp_path_factory.mktemp("async"),
         server,
@@ -94,7 +130,13 @@ def trained(server, tokenizer, tmp_path_factory):
         return rows
 
     trainer._take_rollout = recording_take
+    sampler = SampleAfterStep(trainer)
+    trainer.add_callback(sampler)
+    traffic = record_server_traffic(trainer)
     trainer.train()
+    trainer.producers_after_train = producer_threads()
+    trainer.evaluate()
+    trainer.traffic, trainer.sampled_by_callback = traffic, sampler.batches
     return trainer, step_logs(trainer.state.log_history), prompts
 
 
@@ -115,7 +157,28 @@ def test_rollouts_are_sampled_one_step_ahead_and_counted(trained):
     assert trainer._rollouts is None  # stopped at the end of `train()`
     # Evaluation inside the run samples from the server, whose weights are the current ones
     evaluations = [entry for entry in trainer.state.log_history if "eval_tv/estimate" in entry]
-    assert [entry["step"] for entry in evaluations] == [2, 4]
+    assert [entry["step"] for entry in evaluations] == [2, 4, 4]  # the last one after `train()`
+
+
+def test_no_request_outlives_training_nor_overlaps_a_weight_sync(trained):
+    trainer, _, _ = trained
+    requests, syncs = trainer.traffic["requests"], trainer.traffic["syncs"]
+    # One request per step's batch, none past the last step; the others are the evaluations' and the callback's
+    assert sum(thread == "tvopd-rollout-producer" for thread, _, _ in requests) == 4
+    assert sum(thread == "MainThread" for thread, _, _ in requests) == 4
+    assert trainer.producers_after_train == []
+    # The start's sync and one after each step; none for the evaluation after `train()`: the server holds its weights
+    assert len(syncs) == 5
+    for _, sync_start, sync_end in syncs:
+        assert all(end <= sync_start or start >= sync_end for _, start, end in requests), "a sync during a request"
+
+
+def test_the_public_generation_samples_during_asynchronous_training(trained):
+    trainer, _, _ = trained
+    (batch,) = trainer.sampled_by_callback
+    assert batch["completion_ids"].shape[0] == 1 and batch["sampler_logps"].shape == batch["completion_ids"].shape
+    length = int(batch["completion_mask"].sum())
+    assert length > 0 and torch.isfinite(batch["sampler_logps"][0, :length]).all()
 
 
 def test_pi_old_is_the_learners_and_the_sampler_enters_through_the_importance_weight(trained):
@@ -266,6 +329,75 @@ def test_two_processes_train_on_their_shares_of_each_batch_sampled_ahead(server,
     # ... with the sampler's log-probabilities of its own rows: at step 1 they are the trainer's, up to kernels
     assert all(rank["logs"][0]["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE for rank in (first, second))
     assert torch.equal(first["tensors"]["parameters"], second["tensors"]["parameters"])
+
+
+def test_with_two_processes_a_server_failure_found_at_a_weight_sync_stops_both_with_one_error(tmp_path):
+    from .test_distributed import launch
+
+    dying = LocalVLLMServer(PAIR["student"], tmp_path).wait_ready()
+    try:
+        first, second = launch(
+            "ddp_cpu.yaml",
+            "vllm_async_server_dies.py",
+            tmp_path / "run",
+            dying.url,
+            str(dying.process.pid),
+            timeout=600,
+        )
+    finally:
+        dying.stop()
+    assert first["error"] is not None and f"rollout server at {dying.url} failed" in first["error"]
+    assert second["error"] == first["error"]
+    assert first["step"] == second["step"] == 2
+
+
+def test_a_train_that_raises_leaves_no_request_behind(server, tokenizer, tmp_path):
+    class Fail(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("a callback failed")
+
+    trainer = async_trainer(tmp_path, server, tokenizer, callbacks=[Fail()], max_steps=5)
+    traffic = record_server_traffic(trainer)
+    with pytest.raises(RuntimeError, match="a callback failed"):
+        trainer.train()
+    raised = time.monotonic()
+    assert producer_threads() == [] and trainer._rollouts is None
+    assert all(end <= raised for _, _, end in traffic["requests"])
+
+
+def test_a_stuck_server_is_waited_for_with_warnings_then_stops_the_run_naming_it(
+    server, tokenizer, tmp_path, monkeypatch
+):
+    """The server's processes are stopped (SIGSTOP) after step 2, in the middle of the run: it accepts connections and
+    answers nothing, as a hung server does. Resumed at the end for the module's last test."""
+    from transformers.testing_utils import CaptureLogger
+
+    from tvopd_trl import async_rollouts
+
+    monkeypatch.setattr(async_rollouts, "WAIT_WARNING_INTERVAL", 1.0)
+
+    class StopServer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.killpg(server.process.pid, signal.SIGSTOP)
+
+    trainer = async_trainer(
+        tmp_path, server, tokenizer, callbacks=[StopServer()], max_steps=6, vllm_server_request_timeout=5
+    )
+    start = time.monotonic()
+    try:
+        with CaptureLogger(async_rollouts.logger) as captured, pytest.raises(RolloutServerError) as raised:
+            trainer.train()
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+    assert time.monotonic() - start < 120
+    assert f"rollout server at {server.url} did not answer POST" in str(raised.value)
+    assert "within 5 s (vllm_server_request_timeout)" in str(raised.value)
+    assert f"s on the vLLM server at {server.url}: the end of the request in flight, before the weight sync." in (
+        captured.out
+    )
+    assert trainer.state.global_step == 2 and producer_threads() == []
 
 
 def test_a_server_killed_mid_run_stops_the_run_with_one_clear_error(server, tokenizer, tmp_path):

@@ -60,6 +60,39 @@ def check_async_setup(args, train_dataset):
             f"max_staleness={args.max_staleness} needs to know the prompts of the next rollout batches, which it "
             f"draws from a map-style dataset with the trainer's sampler. {fix} load the dataset without streaming."
         )
+    if not args.vllm_importance_sampling_correction:
+        logger.warning(
+            f"max_staleness={args.max_staleness} without vllm_importance_sampling_correction: tokens sampled with "
+            "weights up to that many steps old enter the loss as if pi_old had sampled them, uncorrected (in the "
+            "staleness study such runs collapsed faster, docs/replication.md part four). Set "
+            "vllm_importance_sampling_correction=True unless this is an ablation."
+        )
+
+
+def bound_request_time(client, timeout):
+    """Gives every request of TRL's `VLLMClient` `client` that sets no timeout of its own (a rollout's generation) at
+    most `timeout` seconds, after which it raises a [`RolloutServerError`] naming the server. TRL's client sets none,
+    so a server that stops answering would hang the run. A request that timed out is not sent again: TRL's retries of
+    a failed read would generate the batch anew, each time for as long."""
+    import requests
+
+    adapter = client.session.get_adapter(client.base_url)
+    adapter.max_retries = adapter.max_retries.new(read=False)
+    send = client.session.request
+
+    def request(method, url, **kwargs):
+        kwargs.setdefault("timeout", timeout)
+        try:
+            return send(method, url, **kwargs)
+        except requests.Timeout as error:
+            raise RolloutServerError(
+                f"The vLLM rollout server at {client.base_url} did not answer {method} {url} within "
+                f"{kwargs['timeout']} s (vllm_server_request_timeout). Check that it runs and is not overloaded; raise "
+                "vllm_server_request_timeout if its generations are this long; resume from the last checkpoint "
+                "(`--resume_from_checkpoint last`)."
+            ) from error
+
+    client.session.request = request
 
 
 def sample_on_server(generation, prompt_ids):
@@ -167,26 +200,29 @@ class RolloutProducer:
 
     def _run(self):
         idle_since = time.monotonic()
-        try:
-            while True:
-                with self._condition:
-                    while not self._stopped and not self._startable():
-                        self._condition.wait()
-                    if self._stopped:
-                        return
-                    rollout = self._pending.popleft()
-                with self.lock:
-                    with self._condition:
-                        self._sampler_wait += time.monotonic() - idle_since
-                    rollout.version = self.version
-                    rollout.completion_ids, rollout.logprobs = self.request(rollout.prompt_ids)
-                    idle_since = time.monotonic()
-                with self._condition:
-                    self._ready.append(rollout)
-                    self._condition.notify_all()
-        except BaseException as error:  # noqa: BLE001  (handed to the trainer, which raises it)
+        while True:
             with self._condition:
-                self._error = error
+                while not self._stopped and not self._startable():
+                    self._condition.wait()
+                if self._stopped:
+                    return
+                rollout = self._pending.popleft()
+            with self.lock:
+                with self._condition:
+                    self._sampler_wait += time.monotonic() - idle_since
+                rollout.version = self.version
+                try:
+                    rollout.completion_ids, rollout.logprobs = self.request(rollout.prompt_ids)
+                except BaseException as error:  # noqa: BLE001  (handed to the trainer, which raises it)
+                    # Recorded before the lock is released, so that the weight sync waiting for it sees the failure
+                    # instead of sending the weights to a failed server
+                    with self._condition:
+                        self._error = error
+                        self._condition.notify_all()
+                    return
+                idle_since = time.monotonic()
+            with self._condition:
+                self._ready.append(rollout)
                 self._condition.notify_all()
 
     def _failure(self, error, doing="sampling a rollout batch ahead of training"):
@@ -196,21 +232,24 @@ class RolloutProducer:
             "server and resume from the last checkpoint (`--resume_from_checkpoint last`)."
         )
 
+    def _wait(self, ready, what):
+        """Calls `ready(timeout)` until it returns true, warning every `WAIT_WARNING_INTERVAL` seconds that the trainer
+        is waiting for `what`. Returns the seconds waited."""
+        start = time.monotonic()
+        while not ready(WAIT_WARNING_INTERVAL):
+            logger.warning(f"Waiting {time.monotonic() - start:.0f} s on the vLLM server at {self.server}: {what}.")
+        return time.monotonic() - start
+
     def take(self, index):
         """The sampled rollout `index`, waiting for it. One sampled with weights more than `max_staleness` versions
         older than `index` (the trainer's version now) is dropped and sampled again at once, with the current
         weights. Raises [`RolloutServerError`] when the server failed."""
         start = time.monotonic()
-        next_warning = start + WAIT_WARNING_INTERVAL
         with self._condition:
-            while not self._ready and self._error is None:
-                self._condition.wait(timeout=max(next_warning - time.monotonic(), 0.0))
-                if time.monotonic() >= next_warning:
-                    logger.warning(
-                        f"Waiting {time.monotonic() - start:.0f} s for rollout batch {index} from the vLLM server at "
-                        f"{self.server}."
-                    )
-                    next_warning += WAIT_WARNING_INTERVAL
+            self._wait(
+                lambda timeout: self._condition.wait_for(lambda: self._ready or self._error is not None, timeout),
+                f"rollout batch {index}",
+            )
             if not self._ready:  # a batch sampled before the failure is whole, and trains
                 raise self._failure(self._error) from self._error
             rollout = self._ready.popleft()
@@ -219,7 +258,7 @@ class RolloutProducer:
         dropped = 0
         if index - rollout.version > self.max_staleness:
             dropped = 1
-            with self.lock:
+            with self.holding_lock(f"the end of the request in flight, before sampling rollout batch {index} again"):
                 rollout.version = self.version
                 try:
                     rollout.completion_ids, rollout.logprobs = self.request(rollout.prompt_ids)
@@ -227,18 +266,32 @@ class RolloutProducer:
                     raise self._failure(error) from error
         return rollout, TakeStatistics(index - rollout.version, dropped, time.monotonic() - start)
 
-    def update_weights(self, sync):
+    @contextlib.contextmanager
+    def holding_lock(self, what):
+        """Holds the lock of requests and weight syncs, warning while the request in flight keeps it. Yields the seconds
+        waited for it."""
+        waited = self._wait(lambda timeout: self.lock.acquire(timeout=timeout), what)
+        try:
+            yield waited
+        finally:
+            self.lock.release()
+
+    def update_weights(self, sync, agree=None):
         """Runs `sync` (the trainer's weight sync after an optimizer step) between two requests, and moves to the next
-        version. Returns the seconds spent waiting for the request in flight."""
-        start = time.monotonic()
-        with self.lock:
-            waited = time.monotonic() - start
-            if self._error is not None:
-                raise self._failure(self._error) from self._error
+        version. Returns the seconds spent waiting for the request in flight.
+
+        `agree(failure)` (by default: raise it unless it is `None`) is called with the server's failure found before
+        the sync, then with the sync's own: with several processes, the trainer broadcasts it there, so that every
+        process raises the same [`RolloutServerError`] rather than wait in its next collective."""
+        agree = agree or raise_failure
+        with self.holding_lock("the end of the request in flight, before the weight sync") as waited:
+            agree(None if self._error is None else self._failure(self._error))
+            failure = None
             try:
                 sync()
             except Exception as error:
-                raise self._failure(error, "loading the weights of the last optimizer step") from error
+                failure = self._failure(error, "loading the weights of the last optimizer step")
+            agree(failure)
             with self._condition:
                 self.version += 1
                 self._condition.notify_all()
@@ -251,12 +304,22 @@ class RolloutProducer:
             waited, self._sampler_wait = self._sampler_wait, 0.0
         return waited
 
-    def close(self, timeout=5.0):
-        """Stops the thread; a request in flight is abandoned (the thread is a daemon)."""
+    def close(self):
+        """Stops the thread, once the request in flight (if any) has ended: no request outlives the producer, and no
+        later weight sync lands in the middle of one. The request timeout bounds the wait."""
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
+        self._wait(self._ended, "the end of the request in flight, before the producer stops")
+
+    def _ended(self, timeout):
         self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+def raise_failure(failure):
+    if failure is not None:
+        raise failure
 
 
 class AsyncRolloutMixin:
@@ -287,13 +350,17 @@ class AsyncRolloutMixin:
             self._rollout_stream = self._rollouts = self._taken_rollout = None
 
     def _rollout_lock(self):
-        return self._rollouts.lock if self._rollouts is not None else contextlib.nullcontext()
+        """Held around a request outside the rollouts (an evaluation, a callback's sampling), between two of theirs."""
+        if self._rollouts is None:
+            return contextlib.nullcontext()
+        return self._rollouts.holding_lock("the end of the request in flight, before a request outside the rollouts")
 
     def _start_rollouts(self):
         # Fresh or resumed, the server gets the weights of this step before it samples anything: a rollout in flight is
         # never part of a checkpoint, and a resumed run samples again with the restored weights.
         version = self.state.global_step  # one optimizer step per rollout batch: the index of this step's batch
         self.vllm_generation.sync_weights()  # on every process: under ZeRO-3 and FSDP the gathers are collectives
+        self._last_loaded_step = version
         self._rollout_stream = rollout_batches(
             self.train_dataset, self._get_train_sampler(), self._global_rollout_size, start=version
         )
@@ -309,6 +376,8 @@ class AsyncRolloutMixin:
                 self._submit_rollout(index)
 
     def _submit_rollout(self, index):
+        if index >= self.state.max_steps:
+            return  # no step would train on it
         rows = next(self._rollout_stream)
         # Tokenized here, in the main thread: a fast tokenizer must not be used by two threads at once
         prompt_ids = super()._tokenize_prompts(copy.deepcopy([row["prompt"] for row in rows]))[0]
@@ -329,8 +398,7 @@ class AsyncRolloutMixin:
                 self._submit_rollout(index + self.args.max_staleness + 1)
                 payload = (rollout.prompt_ids, rollout.completion_ids, rollout.logprobs, statistics)
                 rows = rollout.rows
-        if self.accelerator.num_processes > 1:
-            payload = broadcast_object_list([payload], from_process=0)[0]
+        payload = self._from_main_process(payload)
         if isinstance(payload, RolloutServerError):
             raise payload
         if self._rollouts is None:
@@ -358,13 +426,24 @@ class AsyncRolloutMixin:
             )
         return completion_ids, logprobs
 
+    def _from_main_process(self, payload):
+        return broadcast_object_list([payload])[0] if self.accelerator.num_processes > 1 else payload
+
+    def _agree_on_failure(self, failure):
+        """Raises the main process's `failure` (a [`RolloutServerError`], or `None`) on every process."""
+        raise_failure(self._from_main_process(failure))
+
     def _sync_rollout_weights(self):
-        """Right after an optimizer step: the server gets the new weights between two requests."""
-        if self._rollouts is None:
+        """Right after an optimizer step: the server gets the new weights between two requests. A server failure that
+        the main process finds here, as it usually finds one, stops every process with the same error."""
+        if self._rollouts is None:  # another process: its share of the main process's collectives
+            self._agree_on_failure(None)
             self.vllm_generation.sync_weights()
+            self._agree_on_failure(None)
             waited = 0.0
         else:
-            waited = self._rollouts.update_weights(self.vllm_generation.sync_weights)
+            waited = self._rollouts.update_weights(self.vllm_generation.sync_weights, self._agree_on_failure)
+        self._last_loaded_step = self.state.global_step + 1  # the step is counted once this hook has run
         metrics = self._metrics["train"]
         metrics["async/wait_seconds/trainer"].append(self._trainer_wait + waited)
         sampler_wait = self._rollouts.collect_sampler_wait() if self._rollouts is not None else 0.0

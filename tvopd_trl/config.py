@@ -183,7 +183,13 @@ class TVOPDConfig(DistillationConfig):
             in `async/dropped`). pi_old stays the student's log-probability at learner time; the sampler's enters only
             through the truncated importance weight (docs/method.md). `0` generates each rollout batch when it is
             needed, as TRL does. Needs `use_vllm=True`, `vllm_mode="server"` and one optimizer step per rollout batch
-            (docs/vllm.md).
+            (docs/vllm.md). Without `vllm_importance_sampling_correction` the stale samples enter the loss as if drawn
+            from pi_old: allowed for ablations, with a warning.
+        vllm_server_request_timeout (`float`, *optional*, defaults to `900.0`):
+            Seconds one rollout request to the vLLM server (`vllm_mode="server"`: a rollout batch's generation) may
+            take. A server that does not answer in time stops the run with one error naming its URL, rather than
+            hanging it: TRL's client sets no timeout. Raise it for long generations; with several processes keep it
+            below `ddp_timeout`, or the others, waiting in a collective, time out first.
 
         > Parameters that control a served teacher
 
@@ -369,6 +375,11 @@ class TVOPDConfig(DistillationConfig):
         },
     )
 
+    vllm_server_request_timeout: float = field(
+        default=900.0,
+        metadata={"help": "Seconds one rollout request to the vLLM server may take before the run stops."},
+    )
+
     # Several teachers: a mapping by name (docs/multi-teacher.md)
     teacher_model_name_or_path: dict[str, str] | str | None = field(
         default=None,
@@ -494,6 +505,8 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(f"vllm_importance_sampling_cap must be > 0, got {self.vllm_importance_sampling_cap}.")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}.")
+        if self.vllm_server_request_timeout <= 0:
+            raise ValueError(f"vllm_server_request_timeout must be > 0, got {self.vllm_server_request_timeout}.")
         if self.teacher_model_server_request_timeout <= 0 or self.teacher_model_server_retries < 0:
             raise ValueError(
                 "teacher_model_server_request_timeout must be > 0 and teacher_model_server_retries >= 0, got "

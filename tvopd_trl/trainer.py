@@ -18,21 +18,14 @@ import os
 import textwrap
 
 import torch
-from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.utils import logging
 from trl import DistillationTrainer
 from trl.trainer import add_fused_lm_head
-from trl.trainer.utils import (
-    RepeatSampler,
-    pad,
-    repeat_iterable_dataset,
-    shuffle_sequence_dict,
-    split_tensor_dict,
-)
+from trl.trainer.utils import pad
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
-from .async_rollouts import AsyncRolloutMixin
+from .async_rollouts import AsyncRolloutMixin, bound_request_time
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import RolloutCheckpointMixin
 from .checks import (
@@ -48,6 +41,7 @@ from .config import TVOPDConfig
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
+from .rollout_batching import RolloutBatchingMixin
 from .scoring import CompletionScoringMixin
 from .served_teacher import connect_teacher_pool
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
@@ -74,7 +68,12 @@ class _OptimizerStepHooks(TrainerCallback):
 
 
 class TVOPDTrainer(
-    CompletionScoringMixin, RewardScoringMixin, AsyncRolloutMixin, RolloutCheckpointMixin, DistillationTrainer
+    RolloutBatchingMixin,
+    CompletionScoringMixin,
+    RewardScoringMixin,
+    AsyncRolloutMixin,
+    RolloutCheckpointMixin,
+    DistillationTrainer,
 ):
     """
     Trainer for TV-Regulated On-Policy Distillation (TV-OPD) and the sampled-token OPD baselines it is compared with.
@@ -256,6 +255,8 @@ class TVOPDTrainer(
         if self.use_vllm:
             # Keep the sampler's log-probability of each sampled token (see `_generate_single_turn`)
             self.vllm_generation.logprobs = 0
+            if args.vllm_mode == "server" and self.accelerator.is_main_process:
+                bound_request_time(self.vllm_generation.vllm_client, args.vllm_server_request_timeout)
         self._sampler_logps = None
         self._truncated_prompts = 0
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
@@ -339,80 +340,6 @@ class TVOPDTrainer(
         return torch.zeros(rows, dtype=torch.long, device=batch["completion_ids"].device)
 
     # ----------------------------------------------------------------------------------------------------------------
-    # Rollout batching: one rollout batch feeds `steps_per_generation` optimizer steps, `num_iterations` times
-    # ----------------------------------------------------------------------------------------------------------------
-
-    @property
-    def _micro_batches_per_rollout(self):
-        return self.args.gradient_accumulation_steps * self.args.steps_per_generation
-
-    @property
-    def _micro_steps_per_rollout(self):
-        return self._micro_batches_per_rollout * self.args.num_iterations
-
-    @property
-    def _global_rollout_size(self):
-        return self.args.per_device_train_batch_size * self.accelerator.num_processes * self._micro_batches_per_rollout
-
-    def get_train_dataloader(self):
-        dataset = self.train_dataset
-        if isinstance(dataset, IterableDataset):
-            if self.shuffle_dataset:
-                dataset = dataset.shuffle(seed=self.args.seed)
-            dataset = repeat_iterable_dataset(
-                dataset,
-                mini_repeat_count=self.args.num_generations,
-                batch_size=self._global_rollout_size // self.args.num_generations,
-                repeat_count=self._micro_steps_per_rollout,
-            )
-        return self._get_dataloader(
-            dataset=dataset,
-            description="Training",
-            batch_size=self._train_batch_size * self._micro_batches_per_rollout,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _get_train_sampler(self, dataset=None):
-        # Each rollout batch is yielded once per micro-step that uses it; `_prepare_inputs` generates on the first. A
-        # prompt's `num_generations` samples are consecutive: GRPO's groups.
-        return RepeatSampler(
-            data_source=self.train_dataset if dataset is None else dataset,
-            mini_repeat_count=self.args.num_generations,
-            batch_size=self._global_rollout_size // self.args.num_generations,
-            repeat_count=self._micro_steps_per_rollout,
-            shuffle=self.shuffle_dataset,
-            seed=self.args.seed,
-        )
-
-    def _active_tokens(self, batch):
-        # Tokens the loss will use, as far as it is known before the loss pass: without precomputed pi_old, only a
-        # missing teacher or sampler log-probability is known (a non-finite student log-probability there,
-        # pathological, leaves its token in the count).
-        old_logps = batch.get("old_logps")
-        old_logps = torch.zeros_like(batch["teacher_logps"]) if old_logps is None else old_logps
-        return self._rollout_delta(batch, old_logps)[1]
-
-    def _prepare_inputs(self, generation_batch):
-        if not self.model.training:
-            return self._generate_and_score_completions(generation_batch)
-        micro_batches = self._micro_batches_per_rollout
-        if self._step % self._micro_steps_per_rollout == 0:
-            if self.args.max_staleness:
-                generation_batch = self._take_rollout()  # sampled ahead; the dataloader's batch only paces the loop
-            rollout = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
-            self._buffered_inputs = split_tensor_dict(rollout, micro_batches)
-            # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
-            # processes once, so every micro-batch divides by the same exact total.
-            local_counts = torch.stack([self._active_tokens(batch).sum() for batch in self._buffered_inputs])
-            step_counts = self.accelerator.reduce(
-                local_counts.view(self.args.steps_per_generation, -1).sum(dim=1), reduction="sum"
-            )
-            for index, batch in enumerate(self._buffered_inputs):
-                batch["step_num_items"] = step_counts[index // self.args.gradient_accumulation_steps]
-        return self._buffered_inputs[self._step % micro_batches]
-
-    # ----------------------------------------------------------------------------------------------------------------
     # Rollouts and their per-token signals
     # ----------------------------------------------------------------------------------------------------------------
 
@@ -431,12 +358,12 @@ class TVOPDTrainer(
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         if not self.use_vllm:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
-        if self._rollout_stream is not None and self.model.training:
+        if self._taken_rollout is not None:  # this step's rollout batch, sampled ahead
             completion_ids, logprobs = self._taken_completions(prompt_ids)
         else:
             # The base path discards vLLM's log-probabilities; keep the sampled token's for the importance correction.
-            if self._rollout_stream is None and self.state.global_step != self._last_loaded_step:
-                self.vllm_generation.sync_weights()  # asynchronous rollouts keep the server in sync after each step
+            if self.state.global_step != self._last_loaded_step:
+                self.vllm_generation.sync_weights()
                 self._last_loaded_step = self.state.global_step
             with self._rollout_lock():
                 _, completion_ids, logprobs, _ = self.vllm_generation.generate(
