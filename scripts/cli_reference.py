@@ -147,6 +147,20 @@ EXAMPLES = {
             "`--config` (and `--accelerate_config`, for `accelerate_configs/NAME`) takes, or prints one.",
         ],
     ),
+    "vllm-serve": (
+        [
+            "tvopd-trl vllm-serve --role rollouts --model tvopd_trl/tiny/checkpoints/vllm/student &   # CPU: port 8000",
+            "tvopd-trl vllm-serve --role teacher --model Qwen/Qwen3-8B --port 8001 --tensor-parallel-size 4   # GPUs",
+        ],
+        [
+            "Prints the URL to give `tvopd-trl train` (`--vllm_server_base_url` for the rollouts, "
+            "`--teacher_model_server_url` for a teacher) and the command it runs, then becomes that server. On CUDA "
+            "the rollout server is `trl vllm-serve`'s and a teacher's is `vllm serve` with the scoring flags TRL's "
+            "served teachers need; on a CPU both are vLLM's CPU build as [vllm.md](vllm.md#vllm-on-a-cpu) starts it, "
+            "the rollout server in development mode. Every flag it does not know goes to vLLM, after its own. "
+            "What each role and device runs: [vllm.md](vllm.md#tvopd-trl-vllm-serve).",
+        ],
+    ),
 }
 
 
