@@ -1,5 +1,5 @@
 """Importing the library, and the `tvopd-trl` command's light paths, are quiet and quick: they import neither torch nor
-TRL's trainers and the trackers these pull in (trackio prints on import under `WANDB_MODE=offline`).
+TRL's trainers and the trackers these pull in (TRL imports wandb and trackio whenever they are installed).
 
 What is imported is asserted, not the wall time, which a loaded machine makes flaky; the times are in
 docs/performance.md."""

@@ -18,6 +18,8 @@ the checks it makes before any model loads.
 would load, from the same recipe.
 """
 
+import contextlib
+import io
 import os
 import sys
 from dataclasses import dataclass, field
@@ -202,6 +204,11 @@ class JobParser(RecipeParser):
             action.help = helps.get(action.dest, action.help)
 
     def parse_args_and_config(self, args=None, **kwargs):
+        # Building `TrainingArguments` imports transformers' trackers module, which prints "[INFO] Running in WANDB
+        # offline mode" under WANDB_MODE=offline whatever `report_to` says (a run that uses wandb hears it from
+        # wandb): import it first, silently.
+        with contextlib.redirect_stdout(io.StringIO()):
+            import transformers.integrations.integration_utils  # noqa: F401
         args = list(sys.argv[1:] if args is None else args)
         if "--config" not in args and not any(getattr(self.parse_known_args(args)[0], key) for key in CUSTOM_KEYS):
             args = ["--config", DEFAULT_RECIPE, *args]
