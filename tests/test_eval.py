@@ -129,9 +129,7 @@ def test_the_tiny_task_registers_its_benchmark_by_reference():
     # `tvopd_trl.eval` imports nothing of `tvopd_trl.tiny` (tests/test_layout.py): its registry names the function that
     # builds the benchmark, imported on the first lookup.
     from tvopd_trl import tiny
-    from tvopd_trl.eval import tiny_benchmark
 
-    assert tiny_benchmark is tiny.tiny_benchmark  # its old import
     assert "tiny" in BENCHMARKS and get_benchmark("tiny") is BENCHMARKS["tiny"]
     assert (get_benchmark("tiny").name, get_benchmark("tiny").title) == ("tiny", "Tiny")
     assert [p.id for p in load_problems("tiny")] == [f"{p['a']}+{p['b']}" for p in tiny.problems("test")]

@@ -27,7 +27,8 @@ def _ancestors(module):
 
 
 def _import_graph():
-    """`{module: modules of the package it imports}`, with every import in the file, at the top or in a function.
+    """`{module: modules of the package it imports}`, with every import in the file, at the top or in a function, and
+    every `importlib.import_module("a.b")` of a name written out (a lazy re-export imports all the same).
 
     Importing `a.b.c` runs `a` and `a.b` first, so those count too, except the importer's own ancestors, which have
     run before it whatever it imports."""
@@ -48,6 +49,13 @@ def _import_graph():
                     base = ".".join(anchor + ([node.module] if node.module else []))
                 targets.add(base)
                 targets.update(f"{base}.{alias.name}" for alias in node.names)  # `from package import module`
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                targets.add(node.args[0].value)
         imported = {target for target in targets if target in modules}
         imported |= {ancestor for target in imported for ancestor in _ancestors(target) if ancestor in modules}
         graph[module] = imported - _ancestors(module) - {module}

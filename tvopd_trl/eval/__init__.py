@@ -90,7 +90,6 @@ __all__ = [
     "stage_averages",
     "step_dir",
     "summarize",
-    "tiny_benchmark",
     "trajectory_average",
 ]
 
@@ -98,7 +97,4 @@ __all__ = [
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    # `tiny_benchmark` lives with the tiny task, which imports this package; this old import of it resolves on use.
-    if name == "tiny_benchmark":
-        return importlib.import_module("tvopd_trl.tiny").tiny_benchmark
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
