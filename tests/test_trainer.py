@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, TrainerCallback
 
@@ -481,6 +482,13 @@ def test_long_prompts_are_left_truncated_and_counted(make_trainer, prompts, tmp_
     trainer.train()
     assert step_logs(trainer)[0]["prompts/truncated"] == 4
     assert trainer.recorded[0]["prompt_len"].max().item() == 5
+
+
+def test_a_prompt_of_no_token_is_refused(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=1), train_dataset=Dataset.from_list([{"prompt": ""}] * 8))
+    assert trainer.processing_class("")["input_ids"] == []  # a plain-text prompt, and no BOS token
+    with pytest.raises(ValueError, match="A prompt tokenized to no token at all"):
+        trainer.train()
 
 
 def test_a_vocabulary_mismatch_is_refused(make_trainer, tokenizer, tmp_path):

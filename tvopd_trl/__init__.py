@@ -20,7 +20,7 @@ import importlib
 
 # Public names -> the module that defines them, imported on first use (PEP 562): importing the package, or a light
 # module of it (`tvopd_trl.tiny`, the `tvopd-trl` command), does not pull in torch, TRL's trainers and the trackers
-# they import (trackio prints on import under `WANDB_MODE=offline`).
+# they import.
 _LAZY = {
     "ADVANTAGE_MODES": "advantages",
     "ADVANTAGE_MODE_REGISTRY": "advantages",

@@ -349,7 +349,13 @@ class TVOPDTrainer(
         return prompt_ids, images, multimodal_fields
 
     def _truncate_prompts(self, prompt_ids):
-        """`prompt_ids` cut to `max_prompt_length` on the left, and how many were cut."""
+        """`prompt_ids` cut to `max_prompt_length` on the left, and how many were cut. A prompt of no token is refused:
+        nothing of its own would predict its completion's first token."""
+        if not all(len(ids) for ids in prompt_ids):
+            raise ValueError(
+                "A prompt tokenized to no token at all (an empty plain-text prompt, with a tokenizer that adds no BOS "
+                "token). Drop empty prompts from the dataset, or give them a chat template."
+            )
         limit = self.args.max_prompt_length
         if limit is None:
             return prompt_ids, 0
