@@ -22,6 +22,7 @@ import os
 import time
 import warnings
 
+from accelerate.utils import DistributedType, get_int_from_env
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.utils import logging
@@ -231,6 +232,7 @@ def load_tokenizer(source, trust_remote_code):
 def check_loaded_trainer(trainer, teacher_tokenizers):
     """What needs the loaded student and teachers (`trainer.teachers`; `teacher_tokenizers`: name -> tokenizer or None)."""
     args = trainer.args
+    check_process_group(trainer.accelerator)
     if trainer._is_vlm:  # loaded by the base class when `processing_class` was None
         raise ValueError(
             "TVOPDTrainer is text-only, but the model's processing class is a multimodal processor "
@@ -284,6 +286,23 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
                 f"which needs output layers of one size; these have {rows} rows. Use another mode, or set "
                 "log_exact_tv=False."
             )
+
+
+def check_process_group(accelerator):
+    """Refuses processes that a launcher started together but that do not form one group in accelerate. Without a
+    GPU and without the CPU asked for, `accelerate launch` with `--ddp_backend gloo` (and no DeepSpeed) joins them in a
+    torch process group that accelerate ignores: each trains its own copy of the model with distributed type NO, and
+    what they gather holds their own shard only."""
+    # The variables accelerate itself reads to count the launched processes (torchrun, MPI)
+    launched = get_int_from_env(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"], 1)
+    if launched > 1 and (accelerator.distributed_type == DistributedType.NO or accelerator.num_processes != launched):
+        raise ValueError(
+            f"This process is one of {launched} that the launcher started, but accelerate does not run them as one "
+            f"group (distributed type {accelerator.distributed_type.value}, {accelerator.num_processes} process(es)): "
+            "each would train its own unsynchronised copy. Without a GPU, ask for the CPU: `--use_cpu` (or "
+            "`use_cpu: true` in the recipe) with recipes/accelerate_configs/ddp_cpu.yaml; `--ddp_backend gloo` alone "
+            "is for DeepSpeed (zero3_cpu.yaml)."
+        )
 
 
 def _check_packed_attention(model, name):
