@@ -69,4 +69,3 @@ def test_a_server_restarted_without_dev_mode_fails_the_sync_with_the_fix(tmp_pat
         server.stop()
         if restarted is not None:
             restarted.stop()
-
