@@ -181,8 +181,9 @@ def probe_server(url, request_timeout):
 def server_unreachable(url, timeout, what):
     """The `ConnectionError` for a vLLM server that did not answer its health check in time, naming the fix."""
     return ConnectionError(
-        f"{what[0].upper()}{what[1:]} at {url} did not answer within {timeout} s. Start it first (e.g. `trl "
-        "vllm-serve --model <model>`) or fix the URL; the matching `..._timeout` setting sets how long to wait."
+        f"{what[0].upper()}{what[1:]} at {url} did not answer within {timeout} s. Start it first (`tvopd-trl "
+        "vllm-serve --role rollouts|teacher --model <model>`, docs/vllm.md) or fix the URL; the matching "
+        "`..._timeout` setting sets how long to wait (a vLLM server on a CPU may take minutes to start)."
     )
 
 

@@ -364,7 +364,7 @@ def connect_teacher_pool(urls, timeout, what, **kwargs):
             raise errors[0]
         raise ConnectionError(
             f"None of the {len(urls)} replicas of {what} answered within {timeout} s: {', '.join(urls)}. Start them "
-            "first (e.g. `trl vllm-serve --model <model>` on each) or fix the URLs; `teacher_model_server_timeout` "
+            "first (`tvopd-trl vllm-serve --role teacher --model <model>` on each) or fix the URLs; `teacher_model_server_timeout` "
             "sets how long to wait."
         ) from errors[0]
     pool = TeacherServerPool(replicas, what, **kwargs)
