@@ -61,27 +61,39 @@ def _launch_env():
     return env
 
 
-def launch(config, script, output_dir, *script_args, timeout=300):
-    """Runs a script of tests/distributed_scripts with `accelerate launch` on one of our accelerate configs, and returns
-    each rank's `rank-<i>.json` (with the tensors of `rank-<i>.pt`, when the script saved any, under "tensors")."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIGS / config)]
-    command += ["--main_process_port", str(_free_port()), str(SCRIPTS / script), str(output_dir), *script_args]
-    # A session of its own, so that a timeout can end the launcher and the ranks it started together.
-    process = subprocess.Popen(
-        command,
+def start_launch(launch_args, cwd=None):
+    """`accelerate launch` with `launch_args`, in a session of its own, so that `wait_launch` can end the launcher and
+    the ranks it started together."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", *launch_args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=_launch_env(),
+        cwd=cwd,
         start_new_session=True,
     )
+
+
+def wait_launch(process, what, timeout=300):
+    """`(stdout, stderr)` of a launcher from `start_launch` once it ended; the test fails if it runs past `timeout`."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout)
+        return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        pytest.fail(f"{script} did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-6000:]}")
+        pytest.fail(f"{what} did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-6000:]}")
+
+
+def launch(config, script, output_dir, *script_args, timeout=300):
+    """Runs a script of tests/distributed_scripts with `accelerate launch` on one of our accelerate configs, and returns
+    each rank's `rank-<i>.json` (with the tensors of `rank-<i>.pt`, when the script saved any, under "tensors")."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    process = start_launch(
+        ["--config_file", str(ACCELERATE_CONFIGS / config), "--main_process_port", str(_free_port())]
+        + [str(SCRIPTS / script), str(output_dir), *script_args]
+    )
+    stdout, stderr = wait_launch(process, script, timeout)
 
     log = f"{script}: exit code {process.returncode}\n{stdout[-2000:]}\n{stderr[-6000:]}"
     done = [(output_dir / f"rank-{rank}.done").exists() for rank in range(NUM_PROCESSES)]

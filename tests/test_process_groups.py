@@ -2,11 +2,7 @@
 they do. Real `accelerate launch` runs on CPU, as in tests/test_distributed.py."""
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -22,33 +18,19 @@ from .test_distributed import (
     POOLED,
     REPO,
     SCRIPTS,
-    _launch_env,
+    start_launch,
+    wait_launch,
 )
 
 
 def start(launch_args, *target):
-    """`accelerate launch` on ddp_cpu.yaml, in a session of its own so that `wait` can end the launcher and the ranks
-    it started together."""
-    config = str(ACCELERATE_CONFIGS / "ddp_cpu.yaml")
-    return subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *launch_args, *target],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_launch_env(),
-        cwd=REPO,
-        start_new_session=True,
-    )
+    """`accelerate launch` on ddp_cpu.yaml."""
+    return start_launch(["--config_file", str(ACCELERATE_CONFIGS / "ddp_cpu.yaml"), *launch_args, *target], cwd=REPO)
 
 
 def wait(process, timeout=300):
     """(exit code, stdout, stderr) of a launcher from `start`."""
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"the launch did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-6000:]}")
+    stdout, stderr = wait_launch(process, "the launch", timeout)
     return process.returncode, stdout, stderr
 
 
