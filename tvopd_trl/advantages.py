@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .spans import broadcast_spans, to_spans
+
 
 # A teacher that gives a sampled token no mass makes delta = -inf. Magnitude-based modes need a finite |delta|, so
 # -inf is replaced by the log of the smallest normal float32, the most negative log-probability float32 can resolve.
@@ -160,6 +162,12 @@ class AdvantageMode:
         return "reverse_kl" in self.inputs
 
     @property
+    def across_tokenizers(self) -> bool:
+        """Whether the mode is defined on span log-ratios (a teacher with another tokenizer): it reads delta only,
+        not the per-token probabilities or distributions of one vocabulary."""
+        return not {"teacher_logps", "old_logps", "reverse_kl"} & set(self.inputs)
+
+    @property
     def required(self) -> tuple[str, ...]:
         """The function's keywords without a default: a call without them is an error."""
         parameters = inspect.signature(self.function).parameters.values()
@@ -238,6 +246,7 @@ def compute_advantages(
     scale: float = 1.0,
     reverse_kl: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    span_ids: torch.Tensor | None = None,
     **hyperparameters,
 ) -> torch.Tensor:
     """
@@ -259,6 +268,11 @@ def compute_advantages(
             `(B, T)` exact per-state reverse KL(pi_old || pi_T), required by `"vopd"`.
         generator (`torch.Generator`, *optional*):
             CPU generator for the within-sequence permutation of `"shuffle"`.
+        span_ids (`torch.Tensor`, *optional*):
+            `(B, T)` span index of each token (a teacher with another tokenizer, see `tvopd_trl.spans`), whose tokens
+            all carry the span's delta: the mode then runs on one entry per span, so that every sequence statistic
+            (S, a permutation, a sign group's mass) counts each span once, and each token gets its span's coefficient.
+            Only modes with `across_tokenizers` take it.
         **hyperparameters:
             The modes' hyperparameters by keyword (each entry of [`ADVANTAGE_MODE_REGISTRY`] lists its own); those of
             other modes are ignored:
@@ -293,4 +307,15 @@ def compute_advantages(
         if keywords.get(name) is None:
             raise ValueError(f"advantage_mode={mode!r} requires `{name}`, but it is None.")
     delta, active = token_delta(teacher_logps, old_logps, mask)
-    return spec.function(delta, active, **keywords)
+    if span_ids is None:
+        return spec.function(delta, active, **keywords)
+    if not spec.across_tokenizers:
+        raise ValueError(f"advantage_mode={mode!r} is not defined on span log-ratios: {across_tokenizers_hint()}")
+    coefficients = spec.function(*to_spans(delta, active, span_ids), **keywords)
+    return torch.where(active, broadcast_spans(coefficients, span_ids), 0.0)
+
+
+def across_tokenizers_hint() -> str:
+    """What a run with a teacher of another tokenizer can use instead, for errors."""
+    modes = [mode for mode, spec in ADVANTAGE_MODE_REGISTRY.items() if spec.across_tokenizers]
+    return f"with a teacher of another tokenizer use one of {', '.join(modes)}."

@@ -231,7 +231,8 @@ def load_tokenizer(source, trust_remote_code):
 
 
 def check_loaded_trainer(trainer, teacher_tokenizers):
-    """What needs the loaded student and teachers (`trainer.teachers`; `teacher_tokenizers`: name -> tokenizer or None)."""
+    """What needs the loaded student and teachers (`trainer.teachers`; `teacher_tokenizers`: name -> tokenizer or None,
+    where a teacher's tokenizer loaded from its folder is added)."""
     args = trainer.args
     check_process_group(trainer.accelerator)
     if trainer._is_vlm:  # loaded by the base class when `processing_class` was None
@@ -250,7 +251,7 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
         for teacher in trainer.teachers.values()
     ]
     for name, teacher in zip(trainer.teachers, teachers, strict=True):
-        _check_teacher(trainer, student, teacher, teacher_tokenizers[name])
+        teacher_tokenizers[name] = _check_teacher(trainer, student, teacher, teacher_tokenizers[name])
     if args.padding_free:
         _check_packed_attention(student, "the student")
         for name, teacher in zip(trainer.teachers, teachers, strict=True):
@@ -329,9 +330,9 @@ def _check_teacher(trainer, student, teacher, teacher_processing_class):
             stacklevel=4,
         )
     else:
-        check_shared_vocabulary(trainer._tokenizer, teacher_processing_class)
+        check_shared_vocabulary(trainer._tokenizer, teacher_processing_class, trainer.args.cross_tokenizer)
     if teacher is None:
-        return
+        return teacher_processing_class
     student_dtype = next(student.parameters()).dtype
     teacher_dtype = next(teacher.parameters()).dtype
     if student_dtype != teacher_dtype:
@@ -340,6 +341,7 @@ def _check_teacher(trainer, student, teacher, teacher_processing_class):
             "in float32 either way, but a low-precision teacher shifts delta = log pi_T - log pi_old.",
             stacklevel=4,
         )
+    return teacher_processing_class
 
 
 def _warn_on_off_policy_sampling(args):

@@ -228,6 +228,17 @@ class TVOPDConfig(DistillationConfig):
             Scoring requests in flight per replica from each training process (P processes put up to P times this on
             each replica, which vLLM batches together).
 
+        > Parameters that control a teacher with another tokenizer
+
+        cross_tokenizer (`bool`, *optional*, defaults to `False`):
+            Whether a teacher whose tokenizer differs from the student's (another model family) is distilled from, local
+            or served: it scores the student's completion text on its own tokenization, and each span where both
+            tokenizations cut carries the span's log-ratio (docs/cross-tokenizer.md). The teacher's tokenizer must be
+            known (`teacher_processing_class`, or the teacher's folder). Without it such a teacher is refused. A
+            teacher with the student's vocabulary is scored on the student's own ids either way. Modes `power` and
+            `vopd` and `log_exact_tv` compare per-token distributions over one vocabulary and are refused with such a
+            teacher.
+
     > [!NOTE]
     > These parameters have default values different from [`~trl.DistillationConfig`]:
     > - `disable_dropout`: Defaults to `True` instead of `False`: a probability ratio needs a deterministic policy.
@@ -411,6 +422,12 @@ class TVOPDConfig(DistillationConfig):
     )
     teacher_model_server_max_in_flight: int = field(
         default=2, metadata={"help": "Teacher scoring requests in flight per replica from each process."}
+    )
+
+    # Parameters that control a teacher with another tokenizer
+    cross_tokenizer: bool = field(
+        default=False,
+        metadata={"help": "Distill from a teacher whose tokenizer differs from the student's, on aligned text spans."},
     )
 
     def _check_reward_settings(self):

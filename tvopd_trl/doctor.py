@@ -80,7 +80,10 @@ def check_tokenizers(student, teacher):
         check_shared_vocabulary(student, teacher)
     except ValueError as error:
         return Check(
-            "tokenizers", FAIL, str(error).split(". Distill")[0] + ".", "Use a teacher of the student's family."
+            "tokenizers",
+            FAIL,
+            str(error).split(". Set `cross_tokenizer")[0] + ".",
+            "Use a teacher of the student's family, or set `cross_tokenizer=True`.",
         )
     return Check("tokenizers", PASS, f"one vocabulary of {len(student)} tokens, same special-token ids")
 

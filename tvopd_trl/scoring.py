@@ -23,13 +23,16 @@ from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .checks import LOGIT_POSTPROCESSING_ATTRIBUTES
 from .chunked_logprob import sampled_token_logprobs
+from .cross_tokenizer import STATISTICS as ALIGNMENT_STATISTICS
 from .divergences import exact_reverse_kl_and_tv
 from .packing import pack_rows, token_budget_chunks, unpack_completions
+from .spans import align_teacher_logps, token_spans
 
 
 # A served teacher's request statistics (`TeacherServerPool.last_stats`) and how each pools over processes: the retries
 # add up, the step waits for the slowest process, and a replica down for one process is down
 SERVED_TEACHER_STATS = {"request_seconds": "max", "retries": "sum", "replicas_down": "max"}
+_TEACHER_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
 class CompletionScoringMixin:
@@ -53,9 +56,17 @@ class CompletionScoringMixin:
         With several teachers, `batch["teacher_index"]` (`(B,)`, see `generate_completions`) routes each row to its
         teacher, which scores it once.
 
+        A teacher with another tokenizer (`cross_tokenizer`) scores its own tokenization of the completion's text,
+        after its rendering of the prompt (`teacher_prompt_ids` / `teacher_prompt_mask`, which `generate_completions`
+        adds), and the batch gains `span_ids` (`(B, T)`: each token's span in its row, -1 on masked tokens; a span of
+        its own for each token of the other rows). With `old_logps`, `teacher_logps - old_logps` is then each span's
+        log-ratio delta_span at every token of the span; without, `teacher_logps` holds each span's teacher
+        log-probability on its last token and 0 on the others, until the loss knows pi_old
+        (`tvopd_trl.spans.align_teacher_logps`).
+
         Returns:
             `dict[str, torch.Tensor]`: `batch` with `loss_mask` and `teacher_logps` (NaN where a served teacher gave no
-            value), and the signals asked for, all `(B, T)` and 0 at padding.
+            value, or a span is masked), and the signals asked for, all `(B, T)` and 0 at padding.
         """
         prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
@@ -65,22 +76,34 @@ class CompletionScoringMixin:
         served = [teacher for teacher in self.teachers.values() if teacher.served]
         # Per served teacher: whether this process scored on it, then its request statistics (0 where it did not)
         served_stats = torch.zeros(len(served), 1 + len(SERVED_TEACHER_STATS), device=self.accelerator.device)
+        # Per teacher of another tokenizer: its alignment statistics on this process
+        cross_stats = torch.zeros(len(self.alignments), len(ALIGNMENT_STATISTICS), device=self.accelerator.device)
         with torch.no_grad():
             for teacher, rows, real in self._rows_by_teacher(batch):
+                alignment = self.alignments.get(teacher.name)
+                if alignment is None:
+                    routed = {key: batch[key][rows] for key in _TEACHER_INPUTS}
+                else:
+                    aligned = alignment.align_batch(batch, rows, real)
+                    routed = aligned.teacher_batch
+                    cross_stats[list(self.alignments).index(teacher.name)] = torch.tensor(aligned.statistics())
                 if teacher.served:
-                    routed = {
-                        key: batch[key][rows]
-                        for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-                    }
                     scores = [teacher.client.score(routed, self.temperature).to(self.accelerator.device)]
                     stats = teacher.client.last_stats
                     served_stats[served.index(teacher)] = torch.tensor([1.0, *map(stats.get, SERVED_TEACHER_STATS)])
                 else:
                     teacher.model.eval()  # whatever another callback or user did to it since construction
-                    ids, mask = prompt_completion_ids[rows], attention_mask[rows]
-                    scores = [self._sampled_token_logps(teacher.model, ids, mask, logits_to_keep)]
+                    ids = torch.cat([routed["prompt_ids"], routed["completion_ids"]], dim=1)
+                    mask = torch.cat([routed["prompt_mask"], routed["completion_mask"]], dim=1)
+                    width = routed["completion_ids"].size(1)
+                    scores = [self._sampled_token_logps(teacher.model, ids, mask, width)]
                     if exact_divergences:
-                        scores += self._exact_divergences(teacher.model, ids, mask, logits_to_keep)
+                        scores += self._exact_divergences(teacher.model, ids, mask, width)
+                if alignment is not None:
+                    scores = [aligned.student_teacher_logps(scores[0])]
+                    if "span_ids" not in batch:
+                        batch["span_ids"] = token_spans(batch["loss_mask"])
+                    batch["span_ids"][rows[:real]] = aligned.span_ids[:real]
                 for name, score in zip(signals, scores, strict=True):
                     if name not in batch:
                         batch[name] = score.new_full(batch["completion_ids"].shape, math.nan)
@@ -89,9 +112,38 @@ class CompletionScoringMixin:
                 batch["old_logps"] = self._sampled_token_logps(
                     self.model, prompt_completion_ids, attention_mask, logits_to_keep
                 )
+        if self.alignments:
+            # Every process holds `span_ids`, whichever teachers its rows went to
+            batch.setdefault("span_ids", token_spans(batch["loss_mask"]))
+            if old_logps:
+                batch["teacher_logps"] = align_teacher_logps(
+                    batch["teacher_logps"], batch["old_logps"], batch["span_ids"]
+                )
+            self._record_alignment_stats(cross_stats)
         if served:
             self._record_served_teacher_stats(served, served_stats)
         return batch
+
+    def _record_alignment_stats(self, stats):
+        gathered = self.accelerator.gather(stats[None])  # (processes, teachers, statistics)
+        pooled = [
+            gathered[..., k].amax(dim=0) if reduction == "max" else gathered[..., k].sum(dim=0)
+            for k, reduction in enumerate(ALIGNMENT_STATISTICS.values())
+        ]
+        mode = "train" if self.model.training else "eval"
+        for index, name in enumerate(self.alignments):
+            spans, student, teacher, largest, masked, scored = (value[index].item() for value in pooled)
+            if scored == 0:  # no row for this teacher anywhere
+                continue
+            prefix = "cross_tokenizer/" if len(self.teachers) == 1 else f"cross_tokenizer/{name}/"
+            values = {
+                "student_tokens_per_span": student / spans if spans else math.nan,
+                "teacher_tokens_per_span": teacher / spans if spans else math.nan,
+                "max_span_tokens": largest,
+                "masked_fraction": masked / scored,
+            }
+            for metric, value in values.items():
+                self.record_metric(prefix + metric, value, mode=mode)
 
     def _record_served_teacher_stats(self, served, stats):
         # One collective per scoring, of one size on every process, whichever teachers each process had rows for

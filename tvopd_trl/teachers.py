@@ -137,12 +137,13 @@ def teacher_index(rows, names, device) -> torch.Tensor:
         ) from None
 
 
-def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel):
+def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel, vocabulary=None):
     """A local teacher of `trainer`, ready to score: a path or Hub id loaded and a model placed as TRL's
     `DistillationTrainer` does its one teacher, sharded under FSDP, in eval mode, with the fused float32 LM head.
 
     Unlike TRL, its output layer may have another size than the student's (padded rows of one model family): the
-    tokenizers were compared before, and both heads must cover every token of the tokenizer."""
+    tokenizers were compared before, and its head must cover every token of `vocabulary`, the tokenizer whose ids it
+    scores (the student's by default; its own with another tokenizer)."""
     args, accelerator = trainer.args, trainer.accelerator
     if isinstance(teacher, str):
         kwargs = dict(args.teacher_model_init_kwargs or {})
@@ -159,7 +160,7 @@ def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel):
             "You passed teacher_model_init_kwargs to the config, but the teacher is already instantiated: load it "
             "with those arguments yourself, or pass its path."
         )
-    rows, tokens = teacher.config.get_text_config().vocab_size, len(trainer._tokenizer)
+    rows, tokens = teacher.config.get_text_config().vocab_size, len(vocabulary or trainer._tokenizer)
     if rows < tokens:
         raise ValueError(
             f"Teacher {name!r} has {rows} output rows, fewer than the tokenizer's {tokens} tokens: it cannot score "

@@ -18,10 +18,13 @@ from transformers import PreTrainedTokenizerBase
 from .eval.generation import padded_token_ids
 
 
-def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> None:
+def check_shared_vocabulary(
+    student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, cross_tokenizer: bool = False
+) -> bool:
     """
-    Raises a `ValueError` that says what differs unless both tokenizers map every token, special tokens included, to
-    the same id: sampled-token OPD scores the student's token ids under the teacher.
+    Whether both tokenizers map every token, special tokens included, to the same id: sampled-token OPD then scores
+    the student's token ids under the teacher. When they do not, raises a `ValueError` that says what differs, unless
+    `cross_tokenizer` (the config's) lets the teacher score its own tokenization of the text instead.
 
     Which special token plays which role may differ (a base model's EOS can be `<|endoftext|>` where its instruct
     teacher's is `<|im_end|>`): only the ids matter.
@@ -44,11 +47,13 @@ def check_shared_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTraine
                     f"special token {token!r} of the {name} has id {tokenizer.convert_tokens_to_ids(token)}"
                     f" there but {other_vocab.get(token)} in the other tokenizer"
                 )
-    if problems:
+    if problems and not cross_tokenizer:
         raise ValueError(
-            "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Distill from a "
-            "teacher of the same model family, or use TRL's GOLD trainer for cross-tokenizer distillation."
+            "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Set "
+            "`cross_tokenizer=True` to distill from a teacher of another family on the text spans both tokenizers cut "
+            "(docs/cross-tokenizer.md), or use a teacher of the student's family."
         )
+    return not problems
 
 
 def restrict_sampling_to_tokenizer(trainer) -> None:

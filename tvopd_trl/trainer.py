@@ -38,12 +38,14 @@ from .checks import (
     wait_for_server,
 )
 from .config import TVOPDConfig
+from .cross_tokenizer import teacher_alignments, teacher_prompt_batch
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
 from .rollout_batching import RolloutBatchingMixin
 from .scoring import CompletionScoringMixin
 from .served_teacher import connect_teacher_pool
+from .spans import align_teacher_logps, broadcast_spans, span_sums
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
 from .tv import tv_estimate
@@ -188,7 +190,7 @@ class TVOPDTrainer(
             if tokenizer is None and isinstance(source, str):
                 tokenizer = teacher_tokenizers[name] = load_tokenizer(source, args.trust_remote_code)
             if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):
-                check_shared_vocabulary(processing_class, tokenizer)  # before any model loads
+                check_shared_vocabulary(processing_class, tokenizer, args.cross_tokenizer)  # before any model loads
 
         # `prepare_teacher` loads and places the teachers as the base trainer would its one, without its check that the
         # output layers have one size.
@@ -215,7 +217,9 @@ class TVOPDTrainer(
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
         self.teachers = {}  # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
         for name, source in local_teachers.items():
-            self.teachers[name] = Teacher(name, model=prepare_teacher(self, name, source))
+            # A teacher of another tokenizer scores its own ids: its output layer covers its own tokenizer
+            vocabulary = (args.cross_tokenizer and teacher_tokenizers[name]) or self._tokenizer
+            self.teachers[name] = Teacher(name, model=prepare_teacher(self, name, source, vocabulary))
         if local_teachers:
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=pool) for name, pool in pools.items()})
@@ -224,6 +228,7 @@ class TVOPDTrainer(
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
         check_loaded_trainer(self, teacher_tokenizers)
+        self.alignments = teacher_alignments(self, teacher_tokenizers)  # name -> TokenizerAlignment (cross_tokenizer)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
@@ -402,6 +407,10 @@ class TVOPDTrainer(
         self._metrics[mode]["prompts/truncated"].append(self.accelerator.reduce(truncated, reduction="sum").item())
         if len(self.teachers) > 1:
             output["teacher_index"] = teacher_index(prompts, list(self.teachers), device)
+        if self.alignments:
+            routing = output.get("teacher_index", torch.zeros(len(prompts), dtype=torch.long)).tolist()
+            names = [list(self.teachers)[index] for index in routing]
+            output.update(teacher_prompt_batch(prompts, names, self.alignments, device))
         if self.use_vllm:
             # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
             # NaN here, and the loss drops the token.
@@ -463,7 +472,11 @@ class TVOPDTrainer(
 
         logps, entropy = self._sampled_token_logps(model, input_ids, attention_mask, logits_to_keep, with_entropy=True)
         old_logps = inputs.get("old_logps")
-        old_logps = logps.detach() if old_logps is None else old_logps
+        span_ids = inputs.get("span_ids")  # a teacher with another tokenizer: the loss runs on its spans
+        if old_logps is None:
+            old_logps = logps.detach()
+            if span_ids is not None:
+                inputs = {**inputs, "teacher_logps": align_teacher_logps(inputs["teacher_logps"], old_logps, span_ids)}
         teacher_logps = inputs["teacher_logps"]
         delta, rollout_active = self._rollout_delta(inputs, old_logps)
         active = rollout_active & torch.isfinite(logps).detach()
@@ -483,6 +496,7 @@ class TVOPDTrainer(
             scale=scale if args.tv_scale_target == "advantage" else 1.0,
             reverse_kl=inputs.get("reverse_kl"),
             generator=self._shuffle_generator() if "generator" in spec.inputs else None,
+            span_ids=span_ids,
             **spec.config_kwargs(args),
         )
         if args.distillation_coef != 1.0:
@@ -506,6 +520,11 @@ class TVOPDTrainer(
             if args.vllm_importance_sampling_correction:
                 importance_weights = log_gap.exp().clamp(max=args.vllm_importance_sampling_cap)
                 per_token_loss = per_token_loss * importance_weights
+        # A span's X is weighted by the span's ratio, the product of its tokens'
+        tv_weights = importance_weights
+        if span_ids is not None and importance_weights is not None:
+            span_gap = broadcast_spans(span_sums(log_gap, span_ids), span_ids)
+            tv_weights = span_gap.exp().clamp(max=args.vllm_importance_sampling_cap)
         per_token_loss = torch.where(active, per_token_loss, 0.0)
 
         if in_rollout:
@@ -540,12 +559,12 @@ class TVOPDTrainer(
                 if first_pass:
                     for index in range(len(scales)):
                         rows = rollout_active & (scale_index == index).unsqueeze(1)
-                        u, n = tv_estimate(teacher_logps, old_logps, rows, weights=importance_weights)
+                        u, n = tv_estimate(teacher_logps, old_logps, rows, tv_weights, span_ids)
                         exact = torch.where(rows, inputs.get("exact_tv", 0.0), 0.0).sum()
                         self._rollout_tv[index] += torch.stack([u.float(), n.float(), exact.float()])
             else:
                 statistics.log(self.accelerator, self._metrics[mode], dispersion=False)
-                u, n = tv_estimate(teacher_logps, old_logps, active, weights=importance_weights)
+                u, n = tv_estimate(teacher_logps, old_logps, active, tv_weights, span_ids)
                 u, n = self.accelerator.reduce(torch.stack([u.float(), n.float()]), reduction="sum").tolist()
                 self._metrics[mode]["tv/estimate"].append(u / n if n > 0 else float("nan"))
 

@@ -18,10 +18,15 @@ import math
 import torch
 
 from .advantages import token_delta
+from .spans import to_spans
 
 
 def tv_estimate(
-    teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+    teacher_logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    span_ids: torch.Tensor | None = None,
 ):
     """
     Pooled on-policy TV estimate of one batch, as a numerator and a token count.
@@ -35,6 +40,10 @@ def tv_estimate(
     importance ratio pi_old / pi_sampler (truncated, as in the loss) makes the sum an estimate under pi_old again. The
     count stays the number of tokens.
 
+    `span_ids` (`(B, T)`, optional; a teacher with another tokenizer) pools per span instead: each span's X, from its
+    log-ratio (which each of its tokens carries, as do `weights`), counts once, so that the reference D_ref does not
+    move with the tokenizer pair's mix of span lengths.
+
     Returns:
         `tuple[torch.Tensor, torch.Tensor]`: float32 sum of X over active tokens, and the int64 active-token count.
         Sum both over micro-batches and processes before dividing: the estimate pools tokens.
@@ -43,6 +52,8 @@ def tv_estimate(
     x = -torch.expm1(delta.clamp(max=0.0))
     if weights is not None:
         x = x * weights
+    if span_ids is not None:
+        x, active = to_spans(x, active, span_ids)
     return torch.where(active, x, 0.0).sum(), active.sum()
 
 
