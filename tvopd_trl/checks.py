@@ -29,6 +29,7 @@ from transformers.utils import logging
 from trl.import_utils import is_vllm_available
 
 from .async_rollouts import check_async_setup
+from .cross_tokenizer import teacher_alignments
 from .teachers import SINGLE_TEACHER, check_routing, teacher_sources
 from .tokenizers import check_shared_vocabulary
 
@@ -232,7 +233,8 @@ def load_tokenizer(source, trust_remote_code):
 
 def check_loaded_trainer(trainer, teacher_tokenizers):
     """What needs the loaded student and teachers (`trainer.teachers`; `teacher_tokenizers`: name -> tokenizer or None,
-    where a teacher's tokenizer loaded from its folder is added)."""
+    where a teacher's tokenizer loaded from its folder is added). Returns the alignments of the teachers with another
+    tokenizer (`tvopd_trl.cross_tokenizer.teacher_alignments`)."""
     args = trainer.args
     check_process_group(trainer.accelerator)
     if trainer._is_vlm:  # loaded by the base class when `processing_class` was None
@@ -252,6 +254,8 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
     ]
     for name, teacher in zip(trainer.teachers, teachers, strict=True):
         teacher_tokenizers[name] = _check_teacher(trainer, student, teacher, teacher_tokenizers[name])
+    # Before the checks of one vocabulary below: a teacher of another tokenizer fails them with a vaguer message
+    alignments = teacher_alignments(trainer, teacher_tokenizers)
     if args.padding_free:
         _check_packed_attention(student, "the student")
         for name, teacher in zip(trainer.teachers, teachers, strict=True):
@@ -288,6 +292,7 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
                 f"which needs output layers of one size; these have {rows} rows. Use another mode, or set "
                 "log_exact_tv=False."
             )
+    return alignments
 
 
 def check_process_group(accelerator):

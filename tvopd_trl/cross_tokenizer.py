@@ -69,7 +69,7 @@ def byte_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes | None]:
         )
     decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
     kinds = {step["type"] for step in decoder.get("decoders", [decoder])}
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special = special_ids(tokenizer)
     added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
     table = [None] * (max(tokenizer.get_vocab().values()) + 1)
     for piece, index in tokenizer.get_vocab().items():
@@ -93,6 +93,12 @@ def byte_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes | None]:
     return table
 
 
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids of `tokenizer`'s special tokens: its named ones and every added token marked special (Llama 3's
+    `<|eot_id|>` is one without a name in its base tokenizer)."""
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The token that closes an assistant message in `tokenizer`'s chat template (Llama 3: `<|eot_id|>`, ChatML:
     `<|im_end|>`), or its EOS without a template. Raises a `ValueError` when that token is not a special token."""
@@ -109,7 +115,7 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
     )
     after = rendered[rendered.index(content) + len(content) :]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    if not ids or ids[0] not in tokenizer.all_special_ids:
+    if not ids or ids[0] not in special_ids(tokenizer):
         raise ValueError(
             f"The teacher's chat template closes an assistant message with {after[:20]!r}, not a special token: its "
             "end of turn is unknown, so the student's end of completion cannot be scored. Give the teacher a template "

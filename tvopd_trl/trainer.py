@@ -38,7 +38,7 @@ from .checks import (
     wait_for_server,
 )
 from .config import TVOPDConfig
-from .cross_tokenizer import teacher_alignments, teacher_prompt_batch
+from .cross_tokenizer import teacher_prompt_batch
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
@@ -227,8 +227,9 @@ class TVOPDTrainer(
         self.reward_funcs, self.reward_func_names = reward_funcs, reward_func_names
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
-        check_loaded_trainer(self, teacher_tokenizers)
-        self.alignments = teacher_alignments(self, teacher_tokenizers)  # name -> TokenizerAlignment (cross_tokenizer)
+        self.alignments = check_loaded_trainer(
+            self, teacher_tokenizers
+        )  # name -> TokenizerAlignment (cross_tokenizer)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
