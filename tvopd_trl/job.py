@@ -44,6 +44,8 @@ EMBEDDED_BENCHMARKS = {
 }
 # `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
 WEAK_TEACHER = "weak"
+# `embedded_teacher`'s names of the teachers of another family (`tvopd_trl.tiny.cross_tokenizer_paths`), by member
+CROSS_TOKENIZER_TEACHERS = {"cross_digits": "digits", "cross_triplets": "triplets"}
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
 CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
@@ -76,7 +78,9 @@ class MainJobArguments:
         embedded_teacher (`str`, *optional*):
             An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
             imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
-            (`tvopd_trl.tiny.weak_teacher_path()`). With `embedded_task: multi_teacher`, the one teacher of the family
+            (`tvopd_trl.tiny.weak_teacher_path()`); `cross_digits` or `cross_triplets`: a teacher of another family
+            (a Llama with its own tokenizer, numbers cut into single digits or into groups of up to three), which
+            needs `cross_tokenizer: true` (docs/cross-tokenizer.md). With `embedded_task: multi_teacher`, the one teacher of the family
             (`addition` or `subtraction`) that scores every prompt, the other skill's too, where it is wrong: the
             one-teacher baseline of docs/multi-teacher.md. Defaults to the task's teacher (with `multi_teacher`,
             routing each prompt to its own skill's teacher).
@@ -130,7 +134,8 @@ class MainJobArguments:
     embedded_teacher: str | None = field(
         default=None,
         metadata={
-            "help": "Another embedded teacher: weak (embedded_task addition: the imperfect teacher), or addition or "
+            "help": "Another embedded teacher: weak (embedded_task addition: the imperfect teacher), cross_digits or "
+            "cross_triplets (embedded_task addition: another family's, with cross_tokenizer), or addition or "
             "subtraction (embedded_task multi_teacher: one family teacher for every prompt)."
         },
     )
@@ -288,6 +293,8 @@ def load_job(job_args, training_args, model_args):
     student_path = model_args.model_name_or_path or family["student"]
     if job_args.embedded_teacher == WEAK_TEACHER:
         family["teachers"] = tiny.weak_teacher_path()
+    elif job_args.embedded_teacher in CROSS_TOKENIZER_TEACHERS:
+        family["teachers"] = tiny.cross_tokenizer_paths()[CROSS_TOKENIZER_TEACHERS[job_args.embedded_teacher]]
     elif job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
     # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
@@ -333,14 +340,15 @@ class Accuracy:
         for name in self.names:
             load_problems(name, **self.options)  # a bad name or file fails before any training
 
-    def scores(self, model, greedy=False, output_dir=None, model_id=None, accelerator=None):
+    def scores(self, model, greedy=False, output_dir=None, model_id=None, accelerator=None, tokenizer=None):
         """`{benchmark: mean@k}` (or greedy accuracy) of `model`; with `output_dir`, records land there under
-        `model_id`. With `accelerator`, every process calls this and generates a shard (see `evaluate`)."""
+        `model_id`. With `accelerator`, every process calls this and generates a shard (see `evaluate`). `tokenizer`
+        (a teacher of another family's) replaces the job's."""
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
         settings = (
             SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
         )
-        generator = TransformersGenerator(model, self.tokenizer, self.job_args.eval_batch_size)
+        generator = TransformersGenerator(model, tokenizer or self.tokenizer, self.job_args.eval_batch_size)
         results = evaluate(
             generator,
             self.benchmarks,
@@ -380,13 +388,13 @@ def check_job_arguments(job_args, training_args, model_args):
     if job_args.embedded_teacher is not None:
         from .tiny import SKILLS
 
-        choices = {"multi_teacher": SKILLS, "addition": (WEAK_TEACHER,)}
+        choices = {"multi_teacher": SKILLS, "addition": (WEAK_TEACHER, *CROSS_TOKENIZER_TEACHERS)}
         if job_args.embedded_teacher not in choices.get(job_args.embedded_task, ()):
             raise ValueError(
                 f"`embedded_teacher` names one of the multi-teacher family's teachers ({', '.join(SKILLS)}) and goes "
-                f"with `embedded_task: multi_teacher`, or is `{WEAK_TEACHER}` (the tiny pair's imperfect teacher) and "
-                f"goes with `embedded_task: addition`; got {job_args.embedded_teacher!r} with `embedded_task: "
-                f"{job_args.embedded_task}`."
+                f"with `embedded_task: multi_teacher`, or is `{WEAK_TEACHER}` (the tiny pair's imperfect teacher) or "
+                f"{' or '.join(CROSS_TOKENIZER_TEACHERS)} (another family's) and goes with `embedded_task: addition`; "
+                f"got {job_args.embedded_teacher!r} with `embedded_task: {job_args.embedded_task}`."
             )
         if teacher_named or training_args.teacher_model_server_url:
             raise ValueError("`embedded_teacher` picks the embedded family's teacher: drop it, or your own teacher.")

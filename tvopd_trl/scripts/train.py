@@ -113,9 +113,12 @@ def main(job_args, training_args, model_args):
                 single = len(trainer.teachers) == 1
                 teacher_dir = os.path.join(out, "eval", "teacher" if single else f"teacher-{name}")
                 model_id = teacher_path if single else teacher_path[name]
+                # A teacher of another family reads and writes its own tokens
+                alignment = trainer.alignments.get(name)
+                own = dict(sharded, tokenizer=alignment and alignment.teacher)
                 with generation_model(trainer, teacher.model) as model:
-                    teacher_scores[name] = accuracy.scores(model, False, teacher_dir, model_id=model_id, **sharded)
-                    teacher_scores[f"{name}_greedy"] = accuracy.scores(model, greedy=True, **sharded)
+                    teacher_scores[name] = accuracy.scores(model, False, teacher_dir, model_id=model_id, **own)
+                    teacher_scores[f"{name}_greedy"] = accuracy.scores(model, greedy=True, **own)
             if teacher_scores:
                 # A benchmark's teacher is the one that knows it best: with several teachers, the one routed its skill
                 for suffix in ("", "_greedy"):
