@@ -1,6 +1,6 @@
 """The alignment's share of a main-job step with a teacher of another family, and that step against the same-family one.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_cross_tokenizer.py [--rounds 3] [--steps 6]
+    cd benchmarks && OMP_NUM_THREADS=1 python bench_cross_tokenizer.py [--rounds 3] [--steps 6]
 
 The main job's step (recipes/tiny/cross_tokenizer.yaml: 128 prompts, 8 completion tokens, the embedded student) is
 timed with the same-family teacher (the token path) and with each embedded teacher of another family
@@ -8,11 +8,12 @@ timed with the same-family teacher (the token path) and with each embedded teach
 Inside the cross-tokenizer steps, every call of `TokenizerAlignment.align_batch` (the completions' bytes and text, both
 batched tokenizer calls, the spans and masks, the teacher's padded batch) is timed: its share of the step is the
 target (at most 10%). The first step of each run is warm-up and dropped. Prints a Markdown table and writes it, with
-every number and the machine, to benchmarks/results/cross_tokenizer.{md,json}.
+every number and the machine, to results/cross_tokenizer.{md,json} beside this script.
 """
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -106,7 +107,9 @@ def main():
     )
     markdown = f"{table}\n\nTarget: the alignment at most 10% of the step.\n\n{machine_markdown(results['machine'])}"
     print(markdown)
-    write_outputs("benchmarks/results", "cross_tokenizer", results, markdown)
+    write_outputs(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "cross_tokenizer", results, markdown
+    )
 
 
 if __name__ == "__main__":

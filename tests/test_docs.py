@@ -166,6 +166,7 @@ METRIC_GROUPS = (
     "sampling",
     "prompts",
     "teacher",
+    "cross_tokenizer",
     "rewards",
     "completions",
 )
@@ -193,6 +194,10 @@ def _logged_metrics():
     assert 'f"teacher/{stat}"' in scoring_source and 'f"teacher/{teacher.name}/{stat}"' in scoring_source
     stats = re.findall(r'^\s+"(\w+)": ', inspect.getsource(TeacherServerPool.score), flags=re.M)
     ours |= {f"teacher/{stat}" for stat in stats} | {f"teacher/<teacher>/{stat}" for stat in stats}
+    # A teacher with another tokenizer's alignment statistics, `cross_tokenizer/...` (`cross_tokenizer/<teacher>/...`)
+    assert '"cross_tokenizer/" if len(self.teachers) == 1 else f"cross_tokenizer/{name}/"' in scoring_source
+    aligned = re.findall(r'^\s+"(\w+)": .*(?:spans|largest|scored)', scoring_source, flags=re.M)
+    ours |= {f"cross_tokenizer/{stat}" for stat in aligned} | {f"cross_tokenizer/<teacher>/{stat}" for stat in aligned}
     assert 'f"advantage/{name}"' in source
     ours |= {f"advantage/{name}" for name in advantage_dispersion(torch.zeros(0))}
     # Asynchronous rollouts' metrics (`max_staleness`), which the trainer's `AsyncRolloutMixin` records
