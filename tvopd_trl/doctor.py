@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer, set_seed
 
+from .cross_tokenizer import TokenizerAlignment
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -75,9 +76,11 @@ def z_score(deviations: torch.Tensor, variances: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def check_tokenizers(student, teacher):
+def check_tokenizers(student, teacher, cross_tokenizer=False):
     try:
-        check_shared_vocabulary(student, teacher)
+        if check_shared_vocabulary(student, teacher, cross_tokenizer):
+            return Check("tokenizers", PASS, f"one vocabulary of {len(student)} tokens, same special-token ids")
+        TokenizerAlignment(student, teacher, [student.eos_token_id])  # its setup checks
     except ValueError as error:
         return Check(
             "tokenizers",
@@ -85,7 +88,12 @@ def check_tokenizers(student, teacher):
             str(error).split(". Set `cross_tokenizer")[0] + ".",
             "Use a teacher of the student's family, or set `cross_tokenizer=True`.",
         )
-    return Check("tokenizers", PASS, f"one vocabulary of {len(student)} tokens, same special-token ids")
+    return Check(
+        "tokenizers",
+        PASS,
+        f"another vocabulary ({len(teacher)} tokens): the teacher scores its own tokenization of each completion, "
+        "aligned on spans (cross_tokenizer)",
+    )
 
 
 def check_chat_templates(student, teacher, prompts):
@@ -356,10 +364,13 @@ def _diagnose_pair(
     if teacher_tokenizer is None:
         checks.append(Check("tokenizers", SKIP, "served teacher without `teacher_model_name_or_path`"))
     else:
-        checks.append(check_tokenizers(tokenizer, teacher_tokenizer))
+        checks.append(check_tokenizers(tokenizer, teacher_tokenizer, training_args.cross_tokenizer))
+    # A teacher of another tokenizer renders prompts with its own template and has its own output layer
+    cross = teacher_tokenizer is not None and not check_shared_vocabulary(tokenizer, teacher_tokenizer, True)
+    if teacher_tokenizer is not None and not cross:
         checks.append(check_chat_templates(tokenizer, teacher_tokenizer, [p["prompt"] for p in prompts]))
     served = training_args.teacher_model_server_url is not None
-    if not served:
+    if not served and not cross:
         checks.append(
             check_vocab_sizes(
                 AutoConfig.from_pretrained(student_path, trust_remote_code=remote_code),
