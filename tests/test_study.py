@@ -173,11 +173,40 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
     assert "| Teacher |" in (results / "tables.md").read_text()
 
 
+def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path):
+    _run_short_study(
+        tmp_path,
+        "study_cross_tokenizer",
+        methods=lambda raw: {slug: raw["methods"][slug] for slug in ("tv_same", "raw_triplets")},
+        analysis={"late_window": [2, 4, 2], "span_metrics": True},
+    )
+
+    results = tmp_path / "results"
+    for name in ("README.md", "tables.md", "curves.png", "tv_scale.png"):
+        assert (results / name).is_file(), name
+    aggregates = json.loads((results / "results.json").read_text())["aggregates"]
+    summary = json.loads((tmp_path / "runs" / "raw_triplets" / "seed-0" / "summary.json").read_text())
+    row = aggregates["Against each teacher"]["Raw OPD - Llama triplets"]
+    assert row["gap_closed"][0] == pytest.approx(summary["gap_closed"])
+    assert row["teacher"][0] == summary["teacher_accuracy"]
+    history = json.loads((tmp_path / "runs" / "raw_triplets" / "seed-0" / "log_history.json").read_text())
+    logged = [
+        entry["cross_tokenizer/student_tokens_per_span"]
+        for entry in history
+        if "cross_tokenizer/student_tokens_per_span" in entry
+    ]
+    spans = aggregates["Alignment"]
+    assert spans["Raw OPD - Llama triplets"]["student_tokens_per_span"][0] == pytest.approx(sum(logged) / len(logged))
+    assert spans["Raw OPD - Llama triplets"]["student_tokens_per_span"][0] > 1  # digits share spans
+    assert spans["TV-OPD - same family"]["student_tokens_per_span"] is None  # the token path has no spans
+
+
 @pytest.mark.parametrize(
     "name",
     [
         "study",
         "study_smoke",
+        "study_cross_tokenizer",
         "study_multi_teacher",
         "study_long",
         "study_reward",

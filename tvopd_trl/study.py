@@ -92,7 +92,7 @@ def load_study(path):
         if not isinstance(method, dict) or "name" not in method:
             raise ValueError(f"{path}: method {slug!r} needs a `name` (its title in tables) and its recipe overrides.")
     # A study across skills (several teachers) and one against a single teacher have their own analyses.
-    if not {"skills", "metric_methods"} & set(study.analysis):
+    if not {"skills", "metric_methods", "span_metrics"} & set(study.analysis):
         missing = sorted(ANALYSIS_KEYS - set(study.analysis))
         if missing:
             raise ValueError(f"{path}: `analysis` lacks {missing}.")
@@ -494,6 +494,70 @@ def analyze_against_teacher(study, results):
     return {"Against the teacher": rows, "Teacher": teacher}, tables, figures
 
 
+# A teacher with another tokenizer's alignment statistics, each run's mean over its logged steps (`span_metrics`)
+SPAN_METRICS = {
+    "student_tokens_per_span": "Student tokens / span",
+    "teacher_tokens_per_span": "Teacher tokens / span",
+    "max_span_tokens": "Largest span (student tokens)",
+    "masked_fraction": "Masked fraction (%)",
+}
+
+
+def _run_mean(log_history, key):
+    values = [value for value in _history_series(log_history, key).values() if value is not None]
+    return sum(values) / len(values) if values else None
+
+
+def analyze_span_metrics(study, results):
+    """A study across teachers of other families (`analysis.span_metrics`): per method, the share of its own teacher's
+    gap it closed, its retention numbers, the alignment's span statistics and the final TV scale, and its accuracy and
+    TV-scale curves."""
+    from .eval.tables import format_table
+    from .plots import plot_curves
+
+    out, k = study.results_dir, study.overrides["eval_k"]
+    methods = list(study.methods)
+    rows = retention_rows(study, results, methods)
+    spans = {}
+    for method in methods:
+        runs, name = results[method], study.methods[method]["name"]
+        rows[name]["gap_closed"] = _aggregate(run["summary"]["gap_closed"] for run in runs)
+        rows[name]["teacher"] = _aggregate(run["summary"]["teacher_accuracy"] for run in runs)
+        means = {
+            key: [_run_mean(run["log_history"], f"cross_tokenizer/{key}") for run in runs] for key in SPAN_METRICS
+        }
+        spans[name] = {key: None if None in values else _aggregate(values) for key, values in means.items()}
+        spans[name]["masked_fraction"] = spans[name]["masked_fraction"] and tuple(
+            None if v is None else 100 * v for v in spans[name]["masked_fraction"]
+        )
+        spans[name]["scale"] = _aggregate(
+            _history_series(run["log_history"], "tv/scale")[max(run["accuracy"])] for run in runs
+        )
+    header = {
+        "teacher": "Teacher",
+        "gap_closed": "Gap closed",
+        "final": "Final",
+        "late_mean": "LateMean",
+        "peak_drop": "PeakDrop",
+    }
+    window = list(_steps(study.analysis["late_window"]))
+    accuracy = format_table(rows, list(header), header=header, lower_is_better=("peak_drop",))
+    span_header = {**SPAN_METRICS, "scale": "Final tv/scale"}
+    span_table = format_table(spans, list(span_header), header=span_header, highlight="none", scale=1.0, digits=3)
+    tables = (
+        f"### Against each method's own teacher\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}: "
+        "the teacher's accuracy, the share of the gap between the student's and its teacher's accuracy closed at the "
+        f"end, the final accuracy, LateMean over steps {window} and PeakDrop = max over steps - LateMean (lower is "
+        f"better). Bold best, underlined second.\n\n{accuracy}\n\n### The alignment\n\nEach run's mean over its "
+        "logged steps of the `cross_tokenizer/*` metrics (none for a teacher of the student's family: its tokens are "
+        f"its spans), then mean ± std over seeds; the TV scale c_k at the last step.\n\n{span_table}\n"
+    )
+    plot_curves(_curves(study, results, methods), os.path.join(out, "curves.png"), f"Held-out mean@{k}")
+    tv_scale = _curves(study, results, methods, "tv/scale")
+    plot_curves(tv_scale, os.path.join(out, "tv_scale.png"), "tv/scale", ylabel="tv/scale", scale=1)
+    return {"Against each teacher": rows, "Alignment": spans}, tables, ["curves.png", "tv_scale.png"]
+
+
 def analyze(study, log=print):
     """Writes the study's tables (Markdown, and all numbers in `results.json`) and figures into `study.results_dir`."""
     from .eval.tables import format_table
@@ -504,7 +568,11 @@ def analyze(study, log=print):
     out = study.results_dir
     os.makedirs(out, exist_ok=True)
     analysis = study.analysis
-    for key, analysis_of in (("skills", analyze_skills), ("metric_methods", analyze_against_teacher)):
+    for key, analysis_of in (
+        ("skills", analyze_skills),
+        ("metric_methods", analyze_against_teacher),
+        ("span_metrics", analyze_span_metrics),
+    ):
         if key in analysis:
             numbers, tables, figures = analysis_of(study, results)
             return _write_results(study, results, numbers, [tables], figures, log)
