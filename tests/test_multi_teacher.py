@@ -119,9 +119,9 @@ def test_one_tokenizer_is_every_teachers(make_trainer, two_teachers, tokenizer, 
     compared = []
     check = tvopd_trl.checks.check_shared_vocabulary
 
-    def recording(student, teacher):
+    def recording(student, teacher, cross_tokenizer=False):
         compared.append(teacher)
-        check(student, teacher)
+        return check(student, teacher, cross_tokenizer)
 
     monkeypatch.setattr(tvopd_trl.checks, "check_shared_vocabulary", recording)
     kwargs = dict(teacher_model=two_teachers, train_dataset=routed(8))
