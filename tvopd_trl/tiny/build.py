@@ -71,6 +71,7 @@ student is step 480. Measured here: 156 s; teacher 1.000 (k=4) / 1.000 (greedy),
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -80,8 +81,8 @@ import time
 
 import numpy as np
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from . import task
 from .accuracy import evaluate_accuracy
@@ -96,7 +97,63 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # piece of its own. `AutoTokenizer` rebuilds a qwen2 checkpoint's tokenizer as `Qwen2Tokenizer` from the vocabulary
 # and merges, with exactly this pipeline, so the trained tokenizer must use it too.
 QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+# Llama 3's: Qwen2's, except that numbers are cut into groups of up to three digits ("1234" -> "123", "4").
+LLAMA3_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+PRETOKENIZE_REGEXES = {"digits": QWEN2_PRETOKENIZE_REGEX, "triplets": LLAMA3_PRETOKENIZE_REGEX}
 VOCAB_SIZE = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """A tokenizer's chat conventions: its special tokens (the first ids, in this order) and their roles, its chat
+    template, and the text its BPE is trained on: each `"sft"` problem as `corpus_lines` (`{question}` and
+    `{response}` filled in), and `spare_lines` 100 times each, for tokens beyond the task's."""
+
+    special_tokens: tuple
+    pad_token: str
+    eos_token: str
+    chat_template: str
+    corpus_lines: tuple
+    spare_lines: tuple
+    bos_token: str | None = None
+    nfc: bool = False
+
+
+CHATML = ChatFormat(
+    special_tokens=tuple(SPECIAL_TOKENS),
+    pad_token="<|endoftext|>",
+    eos_token="<|im_end|>",
+    chat_template=CHAT_TEMPLATE,
+    corpus_lines=("user\n{question}\nassistant\n{response}\n",),
+    spare_lines=("system\nYou are a helpful assistant. The answer is - * / = ( ) , : ;",),
+    nfc=True,
+)
+# Llama 3's conventions: a BOS that the template renders (so prompts are tokenized without added special tokens),
+# header markers around the role, `<|eot_id|>` ending every turn, no normalizer.
+LLAMA3 = ChatFormat(
+    special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    pad_token="<|end_of_text|>",
+    eos_token="<|eot_id|>",
+    bos_token="<|begin_of_text|>",
+    chat_template=(
+        "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+        "{{ message['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+    # The special tokens cut a chat into these pieces before pre-tokenization.
+    corpus_lines=("user\n\n{question}", "assistant\n\n{response}"),
+    # Other text than the default tokenizer's, so that words, spaces and punctuation are cut otherwise (" The answer":
+    # "ĠThe", "Ġanswer" where the student has "Ġ", "The", "Ġ", "an", "sw", "er"), and every number up to 199 (the
+    # task's sums) often enough that grouping digits makes it one token.
+    spare_lines=(
+        "system\n\nYou are a careful math tutor. Think step by step, then put the final answer in \\boxed{}.",
+        "The answer is \\boxed{42}. The sum of 17 and 25 is 42, so the answer is 42.",
+        "Let me add the tens first: 40 + 80 = 120, then the units: 7 + 6 = 13; in total 133.",
+        "Question: what is 7 times 8? Answer: 56 (that's it!)",
+        "We carry the one, because 9 + 4 is more than ten. Check: 1234 - 1101 = 133.",
+        "Numbers: " + " ".join(map(str, range(200))),
+    ),
+)
 
 DEFAULTS = dict(
     seed=0,
@@ -147,6 +204,27 @@ LONG_ADDITION_DEFAULTS = dict(
 )
 # The default pair's task and recipe with 2 heads of 32: vLLM's CPU attention has no kernel for heads of 16.
 VLLM_DEFAULTS = dict(DEFAULTS, num_heads=2, weak_teacher=None)
+# Teachers of the default pair's task for its student, of another family (Llama, Llama 3's chat conventions and
+# pre-tokenization, each its own tokenizer): `digits` cuts numbers into digits as the student does, `triplets` into
+# groups of up to three as Llama 3 does. Heads of 32, for vLLM's CPU attention.
+CROSS_TOKENIZER_DEFAULTS = dict(
+    seed=0,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    batch_size=128,
+    learning_rate=3e-3,
+    weight_decay=0.1,
+    warmup_steps=100,
+    constant_until=600,
+    total_steps=1500,
+    skills=("addition",),
+    architecture="llama",
+    chat_format="llama3",
+    teachers=dict(digits=dict(numbers="digits", vocab_size=400), triplets=dict(numbers="triplets", vocab_size=600)),
+)
+ARCHITECTURES = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
+CHAT_FORMATS = {"chatml": CHATML, "llama3": LLAMA3}
 
 
 def seed_everything(seed):
@@ -156,43 +234,69 @@ def seed_everything(seed):
     torch.use_deterministic_algorithms(True)
 
 
-def build_tokenizer():
-    """A Qwen2-style byte-level BPE tokenizer (one token per digit) trained on the task text, with ChatML markers."""
+def build_tokenizer(vocab_size=VOCAB_SIZE, pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, chat_format=CHATML):
+    """A byte-level BPE tokenizer of `vocab_size` ids trained on the task text with `chat_format`'s conventions; by
+    default the embedded pair's: Qwen2-style (one token per digit), with ChatML markers."""
     tokenizer = Tokenizer(
         models.BPE(dropout=None, unk_token=None, continuing_subword_prefix="", end_of_word_suffix="")
     )
-    tokenizer.normalizer = normalizers.NFC()
+    if chat_format.nfc:
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    corpus = [f"user\n{p['question']}\nassistant\n{p['response']}\n" for p in task.problems("sft")]
-    corpus += ["system\nYou are a helpful assistant. The answer is - * / = ( ) , : ;"] * 100  # spare tokens
+    corpus = [
+        line.format(question=p["question"], response=p["response"])
+        for p in task.problems("sft")
+        for line in chat_format.corpus_lines
+    ]
+    corpus += [line for line in chat_format.spare_lines for _ in range(100)]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=list(chat_format.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus, trainer)
+    roles = dict(pad_token=chat_format.pad_token, eos_token=chat_format.eos_token)
+    if chat_format.bos_token is not None:
+        roles["bos_token"] = bos = chat_format.bos_token
+        # Llama 3's: `tokenizer(text)` starts with the BOS, offsets untrimmed.
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))]
+                ),
+            ]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        pad_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=[token for token in chat_format.special_tokens if token not in roles.values()],
         padding_side="left",
         model_max_length=64,
+        **roles,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_format.chat_template
     return fast
 
 
-def build_model(tokenizer, hidden_size, num_layers, num_heads, seed, max_position_embeddings=64, max_new_tokens=16):
+def build_model(
+    tokenizer,
+    hidden_size,
+    num_layers,
+    num_heads,
+    seed,
+    max_position_embeddings=64,
+    max_new_tokens=16,
+    architecture=Qwen2ForCausalLM,
+):
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = architecture.config_class(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -203,12 +307,12 @@ def build_model(tokenizer, hidden_size, num_layers, num_heads, seed, max_positio
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
     )
-    model = Qwen2ForCausalLM(config)
+    model = architecture(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.max_new_tokens = max_new_tokens
     return model
 
@@ -368,8 +472,12 @@ def heldout_report(model, tokenizer, skill="addition"):
 def _start(settings):
     torch.set_num_threads(1)
     seed_everything(settings["seed"])
-    tokenizer = build_tokenizer()
-    # The default pair's settings predate the key: its build.json records none.
+    # The default pair's settings predate these keys: its build.json records none.
+    tokenizer = build_tokenizer(
+        settings.get("vocab_size", VOCAB_SIZE),
+        PRETOKENIZE_REGEXES[settings.get("numbers", "digits")],
+        CHAT_FORMATS[settings.get("chat_format", "chatml")],
+    )
     positions = settings.get("max_position_embeddings", 64)
     tokenizer.model_max_length = positions
     model = build_model(
@@ -380,13 +488,18 @@ def _start(settings):
         settings["seed"],
         positions,
         max(task.max_new_tokens(skill) for skill in settings["skills"]),
+        ARCHITECTURES[settings.get("architecture", "qwen2")],
     )
     return tokenizer, model
 
 
+def _settings_record(settings):
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
+
+
 def _write_summary(output_dir, settings, model, start, search, **heldout):
     summary = {
-        "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+        "settings": _settings_record(settings),
         "parameters": sum(p.numel() for p in model.parameters()),
         "student_step": search["student_step"],
         "student_dev": search["student_dev"],
@@ -491,44 +604,75 @@ def build_multi_teacher(output_dir, keep_checkpoints=False, log=print, **overrid
     return summary
 
 
+def build_cross_tokenizer(output_dir, log=print, **overrides):
+    """Builds the cross-tokenizer teachers into `output_dir` (one directory per teacher of `settings["teachers"]`,
+    each trained from scratch on the default pair's task with its own tokenizer) and returns a summary dict (also
+    written to `output_dir/build.json`)."""
+    settings = {**CROSS_TOKENIZER_DEFAULTS, **overrides}
+    (skill,) = settings["skills"]
+    teachers = {}
+    for name, teacher in settings["teachers"].items():
+        start = time.time()
+        teacher_settings = {**settings, **teacher}
+        tokenizer, model = _start(teacher_settings)
+        for step, loss in train_steps(model, sft_data(tokenizer, settings["skills"]), teacher_settings):
+            if step % 100 == 0:
+                log(f"{name} teacher step {step:5d}  loss {loss:.4f}  ({time.time() - start:.0f}s)")
+        model.eval()
+        save_pair_member(model, tokenizer, os.path.join(output_dir, name))
+        report = heldout_report(model, tokenizer, skill)
+        teachers[name] = {
+            "steps": teacher_settings["total_steps"],
+            "vocab_size": len(tokenizer),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "heldout": report,
+            "wall_time_s": round(time.time() - start, 1),
+        }
+        log(
+            f"{name} teacher (step {teacher_settings['total_steps']}, {len(tokenizer)} ids): held-out k=4 "
+            f"{report['k4']:.3f}, greedy {report['greedy']:.3f}, {teachers[name]['wall_time_s']:.0f}s"
+        )
+    summary = {"settings": _settings_record(settings), "teachers": teachers}
+    with open(os.path.join(output_dir, "build.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
         "--family",
-        choices=("pair", "multi-teacher", "long-addition", "vllm"),
+        choices=("pair", "multi-teacher", "long-addition", "vllm", "cross-tokenizer"),
         default="pair",
         help="The default teacher/student pair, the multi-teacher family (a student and one teacher per skill), the "
-        "long-completion pair (three-digit addition worked out column by column), or the vLLM-ready pair (the default "
-        "one with heads of 32).",
+        "long-completion pair (three-digit addition worked out column by column), the vLLM-ready pair (the default "
+        "one with heads of 32), or the cross-tokenizer teachers (Llama models with tokenizers of their own, for the "
+        "default student).",
     )
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     parser.add_argument("--student-max-dev-accuracy", type=float, default=DEFAULTS["student_max_dev_accuracy"])
     parser.add_argument(
         "--total-steps",
         type=int,
-        help="Training steps: the pair's (default 1500; long-addition 800), or the family's most for the student "
-        "search (default 3000).",
+        help="Training steps: the pair's (default 1500; long-addition 800), the family's most for the student "
+        "search (multi-teacher, default 3000), or each cross-tokenizer teacher's.",
     )
     parser.add_argument(
         "--keep-checkpoints", action="store_true", help="Also save every checkpoint evaluated in the window."
     )
     args = parser.parse_args()
-    overrides = {} if args.total_steps is None else {"total_steps": args.total_steps}
+    kwargs = {} if args.total_steps is None else {"total_steps": args.total_steps}
+    if args.family != "cross-tokenizer":  # the only family without a student search
+        kwargs.update(keep_checkpoints=args.keep_checkpoints, student_max_dev_accuracy=args.student_max_dev_accuracy)
     builders = {
         "pair": build,
         "multi-teacher": build_multi_teacher,
         "long-addition": functools.partial(build, defaults=LONG_ADDITION_DEFAULTS),
         "vllm": functools.partial(build, defaults=VLLM_DEFAULTS),
+        "cross-tokenizer": build_cross_tokenizer,
     }
-    builders[args.family](
-        args.output_dir,
-        keep_checkpoints=args.keep_checkpoints,
-        seed=args.seed,
-        student_max_dev_accuracy=args.student_max_dev_accuracy,
-        log=lambda message: print(message, flush=True),
-        **overrides,
-    )
+    builders[args.family](args.output_dir, seed=args.seed, log=lambda message: print(message, flush=True), **kwargs)
 
 
 if __name__ == "__main__":
