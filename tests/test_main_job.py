@@ -52,6 +52,15 @@ def test_shortened_main_job_writes_the_summary_and_the_plots(recipe, mode, tmp_p
     check_outputs(tmp_path, mode, steps=4)
 
 
+def test_the_cross_tokenizer_job_evaluates_its_teacher_with_the_teachers_own_tokenizer(tmp_path):
+    run(["--config", str(RECIPES / "cross_tokenizer.yaml"), "--output_dir", str(tmp_path), *SHORT])
+    check_outputs(tmp_path, "tv", steps=4)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["teacher_accuracy"] >= 0.75  # read with the student's tokenizer, the Llama teacher would be noise
+    history = json.loads((tmp_path / "log_history.json").read_text())
+    assert all(entry["cross_tokenizer/student_tokens_per_span"] >= 1 for entry in history if "loss" in entry)
+
+
 def test_every_tiny_recipe_parses_into_its_mode():
     from tvopd_trl.scripts.train import make_parser
 
