@@ -1,5 +1,6 @@
 """A teacher of another family (`cross_tokenizer`): byte tables, spans, masking, span log-ratios and the trainer."""
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from tvopd_trl.cross_tokenizer import PROBES, TokenizerAlignment, byte_table, en
 from tvopd_trl.spans import align_teacher_logps
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
 from tvopd_trl.tiny import prompt_dataset, student_path, task, teacher_path
+from tvopd_trl.tiny.build import LLAMA3, PRETOKENIZE_REGEXES, build_tokenizer
 from tvopd_trl.tv import tv_estimate
 
 
@@ -166,12 +168,18 @@ def test_a_three_digit_teacher_puts_the_answers_digits_in_one_span(student, alig
     assert sum(row.masked.values()) == 0
 
 
-def test_a_character_split_across_student_tokens_stays_whole_in_its_span(student, aligned):
+def test_a_character_split_across_student_tokens_stays_whole_in_its_span(student):
+    # A teacher whose vocabulary holds "é" whole, and one that cuts it into its two bytes where the student does
+    accented = dataclasses.replace(LLAMA3, spare_lines=(*LLAMA3.spare_lines, "café naïve über " * 20))
+    whole = build_tokenizer(420, PRETOKENIZE_REGEXES["triplets"], accented)
     completion = encode(student, " café") + [student.eos_token_id]
     assert student.convert_ids_to_tokens(completion)[-3:-1] == ["Ã", "©"]  # é is two byte tokens
-    row = aligned.align([completion])[0]
-    assert row.student_spans[-3] == row.student_spans[-2] >= 0  # never cut inside the character
-    assert sum(row.masked.values()) == 0
+    for teacher, cut in ((whole, False), (other_family_tokenizer(digits=3), True)):
+        assert ("Ã" in teacher.convert_ids_to_tokens(encode(teacher, " café"))) == cut
+        row = TokenizerAlignment(student, teacher, [student.eos_token_id]).align([completion])[0]
+        assert row.student_spans[-3] >= 0 and sum(row.masked.values()) == 0
+        # One span unless both cut at the same byte, a boundary both agree on
+        assert (row.student_spans[-3] != row.student_spans[-2]) == cut
 
 
 def test_invalid_utf8_is_masked_span_by_span_and_counted(student, aligned):
