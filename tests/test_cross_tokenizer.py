@@ -182,20 +182,21 @@ def test_a_character_split_across_student_tokens_stays_whole_in_its_span(student
         assert (row.student_spans[-3] != row.student_spans[-2]) == cut
 
 
-def test_invalid_utf8_is_masked_span_by_span_and_counted(student, aligned):
+def test_invalid_utf8_is_ruled_out_span_by_span_and_counted(student, aligned):
     good = encode(student, " The answer is 7")
     completion = good[:2] + ids(student, "©") + good[2:] + [student.eos_token_id]  # a lone continuation byte
     row = aligned.align([completion])[0]
-    assert row.student_spans[2] == -1 and row.masked["invalid_utf8"] >= 1
-    assert row.student_spans[0] >= 0 and row.student_spans[-2] >= 0  # the rest is scored
-    assert sum(row.masked.values()) == row.student_spans.count(-1)
+    assert row.student_spans[2] in row.ruled_out and row.masked["invalid_utf8"] >= 1
+    assert {row.student_spans[0], row.student_spans[-2]}.isdisjoint(row.ruled_out)  # the rest is scored
+    assert row.student_spans[2] not in row.teacher_spans  # the teacher's U+FFFD is never its score
+    assert sum(row.masked.values()) == sum(span in row.ruled_out for span in row.student_spans)
 
 
-def test_a_special_token_inside_is_masked_and_never_rendered_as_text(student, aligned, triplets):
+def test_a_special_token_inside_is_ruled_out_and_never_rendered_as_text(student, aligned, triplets):
     good = encode(student, " The answer is 7")
     completion = good[:2] + [student.convert_tokens_to_ids("<|im_start|>")] + good[2:] + [student.eos_token_id]
     row = aligned.align([completion])[0]
-    assert row.student_spans[2] == -1 and row.masked["special_token"] >= 1
+    assert row.student_spans[2] in row.ruled_out and row.masked["special_token"] >= 1
     assert "im_start" not in triplets.decode(row.teacher_ids)
 
 
@@ -207,13 +208,36 @@ def test_a_special_tokens_name_written_as_text_is_text_to_the_teacher(student, a
     assert sum(row.masked.values()) == 0
 
 
-def test_a_non_canonical_sample_is_masked_and_counted(student, aligned):
+def test_a_non_canonical_sample_is_ruled_out_and_counted(student, aligned):
     canonical = encode(student, " The answer is 7")
     assert student.convert_ids_to_tokens(canonical)[2:6] == ["Ġ", "an", "sw", "er"]
     completion = canonical[:3] + ids(student, "a", "n") + canonical[4:] + [student.eos_token_id]
     row = aligned.align([completion])[0]
-    assert row.student_spans[3] == row.student_spans[4] == -1 and row.masked["non_canonical"] >= 2
-    assert row.student_spans[-1] >= 0  # the end is still scored
+    assert {row.student_spans[3], row.student_spans[4]} <= row.ruled_out and row.masked["non_canonical"] >= 2
+    assert row.student_spans[-1] not in row.ruled_out  # the end is still scored
+
+
+def test_ruled_out_spans_reach_the_loss_as_the_teacher_ruling_them_out(teacher_dir, tmp_path):
+    # Left out of the loss, such spans would absorb the probability pushed off the scored tokens (docs/method.md §11)
+    trainer = cross_trainer(teacher_dir, tmp_path)
+    student = trainer.processing_class
+    batch = trainer.generate_completions([trainer.train_dataset[i] for i in range(2)])
+    good = encode(student, " The answer is 7")
+    crafted = [good[:2] + ids(student, "©") + good[2:] + [student.eos_token_id], good + [student.eos_token_id]]
+    width = max(map(len, crafted))
+    batch["completion_ids"] = torch.tensor([row + [student.pad_token_id] * (width - len(row)) for row in crafted])
+    batch["completion_mask"] = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in crafted])
+    scored = trainer.score_completions(batch, old_logps=True)
+    delta = scored["teacher_logps"] - scored["old_logps"]
+    assert torch.isneginf(delta[0, 2]) and torch.isfinite(delta[0, :2]).all() and torch.isfinite(delta[1, :7]).all()
+    advantages = compute_advantages(
+        "sign",
+        teacher_logps=scored["teacher_logps"],
+        old_logps=scored["old_logps"],
+        mask=scored["completion_mask"],
+        span_ids=scored["span_ids"],
+    )
+    assert advantages[0, 2] == -1
 
 
 def test_a_truncated_completion_gets_no_end_and_its_last_pre_token_is_masked(student, aligned, triplets):

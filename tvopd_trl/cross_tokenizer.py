@@ -16,11 +16,15 @@ tokenization of that text, and the spans on which both agree (docs/cross-tokeniz
 
 Everything is in bytes, from a per-id byte table of each vocabulary: a byte-level token may hold part of a character,
 so neither `decode()` nor character offsets can place its boundaries. Spans are the intervals between consecutive byte
-positions where both tokenizations cut, plus one span of its own for the end token of a completion that ended. A span
-is masked (no loss, no statistics) where the text is not what the student sampled (invalid UTF-8, a special token
-sampled inside the completion), where the sampled tokens are not the student tokenizer's own tokenization of the text
-(a re-tokenized non-canonical sample gets a teacher score for other tokens: tens of nats of bias), and, in a
-truncated completion, from the start of the teacher's last pre-token (its next bytes would change that token).
+positions where both tokenizations cut, plus one span of its own for the end token of a completion that ended.
+
+The teacher does not score a span where the student wrote what no text of the teacher can hold: invalid UTF-8, a
+special token inside the completion, or tokens that are not the student tokenizer's own tokenization of the text (a
+re-tokenized non-canonical sample would get the score of other tokens: tens of nats of bias). Such a span is ruled out,
+delta = -inf, as a teacher that gives a token no mass rules it out. A span is masked (no loss, no statistics) where the
+teacher's score would be of another text than the student's: in a truncated completion from the start of the teacher's
+last pre-token (its next bytes would change that token), and in a completion whose text the teacher's tokenizer does
+not give back byte for byte.
 """
 
 import bisect
@@ -50,8 +54,12 @@ PROBES = (
     "x<|endoftext|>y<|im_end|>z<|eot_id|>",
     "\tindented\r\nline",
 )
-# Why the student tokens of a masked span were masked, as counted per batch
+# Why the teacher does not score a span, as counted per batch: the first reason found counts
 MASK_REASONS = ("unreproduced", "invalid_utf8", "special_token", "non_canonical", "truncated_tail")
+# The spans the student wrote that the teacher's text cannot hold: they are ruled out (delta = -inf), not left out.
+# A span left out of the loss has no gradient, so probability pushed off the scored tokens flows into it and stays
+# there: Raw OPD distilling from the embedded Llama teacher collapsed into invalid bytes in 2 of 3 seeds that way.
+RULED_OUT = ("invalid_utf8", "special_token", "non_canonical")
 
 
 def byte_table(tokenizer: PreTrainedTokenizerBase) -> list[bytes | None]:
@@ -173,12 +181,14 @@ def _spans_of(ends, lengths, common):
 @dataclass
 class AlignedRow:
     """One completion aligned with a teacher: the teacher's completion ids (its end-of-turn last when the completion
-    ended), the span of each student and teacher token (-1: masked), and the masked student tokens by reason."""
+    ended), the span of each student and teacher token (-1: masked; a ruled-out span's teacher tokens are -1 too), the
+    ruled-out spans, and the student tokens the teacher does not score, by reason."""
 
     teacher_ids: list[int]
     student_spans: list[int]
     teacher_spans: list[int]
     masked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MASK_REASONS, 0))
+    ruled_out: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -190,13 +200,16 @@ class AlignedBatch:
     teacher_batch: dict
     span_ids: torch.Tensor
     teacher_span_ids: torch.Tensor
+    ruled_out: torch.Tensor
     rows: list[AlignedRow]
 
     def student_teacher_logps(self, teacher_token_logps: torch.Tensor) -> torch.Tensor:
         """`(B, T)` on the student's tokens, from the teacher's `(B, T')` log-probabilities of its own tokens: each
-        span's sum on its last student token, 0 on its others, NaN on masked tokens (see `align_teacher_logps`)."""
+        span's sum on its last student token, 0 on its others, -inf on a ruled-out span's last token, NaN on masked
+        tokens (see `align_teacher_logps`)."""
         count = int(max(self.span_ids.max(), self.teacher_span_ids.max()).item()) + 1
         sums = span_sums(teacher_token_logps.float(), self.teacher_span_ids, count)
+        sums = torch.where(span_sums(self.ruled_out.float(), self.span_ids, count) > 0, -math.inf, sums)
         on_last = torch.where(last_of_span(self.span_ids), broadcast_spans(sums, self.span_ids), 0.0)
         return torch.where(self.span_ids >= 0, on_last, math.nan)
 
@@ -204,7 +217,7 @@ class AlignedBatch:
         """The process's `STATISTICS`, summed over its rows (the largest span: its maximum)."""
         spans = student = teacher = largest = masked = scored = 0
         for row in self.rows:
-            kept = [span for span in row.student_spans if span >= 0]
+            kept = [span for span in row.student_spans if span >= 0 and span not in row.ruled_out]
             sizes = collections.Counter(kept)
             spans += len(sizes)
             student += len(kept)
@@ -338,10 +351,11 @@ class TokenizerAlignment:
                     masked_spans.setdefault(span, reason)
                     span += 1
 
-        spans = [-1 if s in masked_spans else s for s in student_spans]
-        for original, kept, piece in zip(student_spans, spans, pieces, strict=True):
-            if kept < 0:
-                masked[masked_spans.get(original, "special_token" if piece is None else "unreproduced")] += 1
+        ruled_out = {span for span, reason in masked_spans.items() if reason in RULED_OUT}
+        spans = [-1 if s in masked_spans and s not in ruled_out else s for s in student_spans]
+        for span, kept, piece in zip(student_spans, spans, pieces, strict=True):
+            if kept < 0 or span in ruled_out:
+                masked[masked_spans.get(span, "special_token" if piece is None else "unreproduced")] += 1
         teacher_spans = [-1 if s in masked_spans else s for s in teacher_spans]
         teacher_ids = list(teacher_ids) if reproduced else []
         if ended and reproduced:  # the end token is a span of its own, scored as the teacher's end of turn
@@ -351,7 +365,7 @@ class TokenizerAlignment:
         elif ended:
             spans.append(-1)
             masked["unreproduced"] += 1
-        return AlignedRow(teacher_ids, spans, teacher_spans, masked)
+        return AlignedRow(teacher_ids, spans, teacher_spans, masked, ruled_out)
 
     def align_batch(self, batch, rows, real):
         """
@@ -377,10 +391,15 @@ class TokenizerAlignment:
         teacher_ids = torch.full((len(aligned), width), padding, dtype=torch.long)
         teacher_spans = torch.full((len(aligned), width), -1, dtype=torch.long)
         student_spans = torch.full(completion_ids.shape, -1, dtype=torch.long)
+        ruled_out = torch.zeros(completion_ids.shape, dtype=torch.bool)
         for index, (row, positions) in enumerate(zip(aligned, completion_mask.cpu().bool(), strict=True)):
             teacher_ids[index, : len(row.teacher_ids)] = torch.tensor(row.teacher_ids, dtype=torch.long)
             teacher_spans[index, : len(row.teacher_spans)] = torch.tensor(row.teacher_spans, dtype=torch.long)
-            student_spans[index, positions.nonzero().squeeze(1)] = torch.tensor(row.student_spans, dtype=torch.long)
+            positions = positions.nonzero().squeeze(1)
+            student_spans[index, positions] = torch.tensor(row.student_spans, dtype=torch.long)
+            ruled_out[index, positions] = torch.tensor(
+                [span in row.ruled_out for span in row.student_spans], dtype=torch.bool
+            )
         lengths = torch.tensor([len(row.teacher_ids) for row in aligned])
         teacher_mask = (torch.arange(width) < lengths[:, None]).long()
         teacher_batch = {
@@ -389,7 +408,9 @@ class TokenizerAlignment:
             "completion_ids": teacher_ids.to(device),
             "completion_mask": teacher_mask.to(device),
         }
-        return AlignedBatch(teacher_batch, student_spans.to(device), teacher_spans.to(device), aligned[:real])
+        return AlignedBatch(
+            teacher_batch, student_spans.to(device), teacher_spans.to(device), ruled_out.to(device), aligned[:real]
+        )
 
     def _last_pretoken_start(self, text):
         # The teacher's pre-tokenizer splits the text into words its tokens never cross; the last may go on
