@@ -9,8 +9,10 @@ from tvopd_trl.testing import LocalVLLMServer, tiny_config, tiny_pair_trainer
 from tvopd_trl.tiny import prompt_dataset
 
 from .other_family import save_other_family_teacher
-from .test_vllm import LOGP_TOLERANCE
-from .test_vllm import pytestmark  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
+from .test_vllm import (
+    LOGP_TOLERANCE,
+    pytestmark,  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
+)
 
 
 @pytest.fixture(scope="module")

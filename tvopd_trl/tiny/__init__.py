@@ -64,6 +64,17 @@ The vLLM-ready pair (``checkpoints/vllm``, ``vllm_paths()``) is the default pair
 attention heads of 32 instead of 4 of 16: vLLM's CPU attention has kernels for heads of 32 and more only. Held-out
 accuracy (k=4): teacher 1.00, student 0.31. ``embedded_task: addition_vllm`` trains on it (``recipes/tiny/vllm_*.yaml``);
 ``python -m tvopd_trl.tiny.build --family vllm`` rebuilds it (about 3 minutes, bit-identical).
+
+The cross-tokenizer teacher (``checkpoints/cross_tokenizer``, ``cross_tokenizer_paths()``) is a teacher of the
+default pair's task for its student from another model family, with a tokenizer of its own: a Llama model (hidden
+64, 2 layers, 2 heads of 32, so that vLLM's CPU build serves it too) with a Llama-3-like byte-level BPE tokenizer
+(``<|begin_of_text|>`` BOS rendered by the chat template, ``<|start_header_id|>role<|end_header_id|>`` turns ended by
+``<|eot_id|>``, the EOS; no normalizer), trained on other text than the student's, so that words, spaces and
+punctuation are cut otherwise (``" The answer"``: ``ĠThe``, ``Ġanswer`` against the student's ``Ġ``, ``The``, ``Ġ``,
+``an``, ``sw``, ``er``). ``"digits"`` (400 ids) cuts numbers into digits as the student does. It solves the held-out
+split (k=4: 1.00, 1,500 steps, 187 s on one core). A teacher that cuts numbers into groups of up to three digits, as
+Llama 3 does, is not shipped: none trained at this size has reached 0.95 held-out yet. ``python -m
+tvopd_trl.tiny.build --family cross-tokenizer`` rebuilds it.
 """
 
 import os
@@ -76,6 +87,7 @@ CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chec
 MULTI_TEACHER_DIR = os.path.join(CHECKPOINTS_DIR, "multi_teacher")
 LONG_ADDITION_DIR = os.path.join(CHECKPOINTS_DIR, "long_addition")
 VLLM_DIR = os.path.join(CHECKPOINTS_DIR, "vllm")
+CROSS_TOKENIZER_DIR = os.path.join(CHECKPOINTS_DIR, "cross_tokenizer")
 
 
 def teacher_path():
@@ -114,12 +126,21 @@ def vllm_paths():
     return {member: os.path.join(VLLM_DIR, member) for member in ("student", "teacher")}
 
 
+def cross_tokenizer_paths():
+    """Directories of the shipped cross-tokenizer teachers of the default student (`student_path()`), Llama models
+    with Llama-3-like tokenizers of their own, named by how they cut numbers: `{"digits": path}` (into digits, as the
+    student does)."""
+    return {teacher: os.path.join(CROSS_TOKENIZER_DIR, teacher) for teacher in ("digits",)}
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
+    "CROSS_TOKENIZER_DIR",
     "LONG_ADDITION_DIR",
     "MULTI_TEACHER_DIR",
     "SKILLS",
     "SPLITS",
+    "cross_tokenizer_paths",
     "evaluate_accuracy",
     "long_addition_paths",
     "multi_skill_prompt_dataset",

@@ -205,8 +205,9 @@ LONG_ADDITION_DEFAULTS = dict(
 # The default pair's task and recipe with 2 heads of 32: vLLM's CPU attention has no kernel for heads of 16.
 VLLM_DEFAULTS = dict(DEFAULTS, num_heads=2, weak_teacher=None)
 # Teachers of the default pair's task for its student, of another family (Llama, Llama 3's chat conventions and
-# pre-tokenization, each its own tokenizer): `digits` cuts numbers into digits as the student does, `triplets` into
-# groups of up to three as Llama 3 does. Heads of 32, for vLLM's CPU attention.
+# pre-tokenization, each its own tokenizer): `digits` cuts numbers into digits as the student does. Heads of 32, for
+# vLLM's CPU attention. A teacher that cuts numbers into groups of up to three (`numbers="triplets"`, Llama 3's rule)
+# has every sum to learn as one token; none trained here has reached 0.95 held-out yet, so none ships.
 CROSS_TOKENIZER_DEFAULTS = dict(
     seed=0,
     hidden_size=64,
@@ -221,7 +222,7 @@ CROSS_TOKENIZER_DEFAULTS = dict(
     skills=("addition",),
     architecture="llama",
     chat_format="llama3",
-    teachers=dict(digits=dict(numbers="digits", vocab_size=400), triplets=dict(numbers="triplets", vocab_size=600)),
+    teachers=dict(digits=dict(numbers="digits", vocab_size=400)),
 )
 ARCHITECTURES = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
 CHAT_FORMATS = {"chatml": CHATML, "llama3": LLAMA3}
