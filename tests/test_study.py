@@ -178,6 +178,7 @@ def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path)
         tmp_path,
         "study_cross_tokenizer",
         methods=lambda raw: {slug: raw["methods"][slug] for slug in ("tv_same", "raw_digits")},
+        overrides=lambda raw: raw["overrides"] | {"cross_tokenizer": True},  # the study's, which the cut replaced
         analysis={"late_window": [2, 4, 2], "span_metrics": True},
     )
 
