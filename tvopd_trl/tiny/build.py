@@ -155,7 +155,8 @@ LLAMA3 = ChatFormat(
     ),
 )
 
-DEFAULTS = dict(
+# The default pair's model size, optimizer and schedule, where the teachers of another family start from too
+TRAINING = dict(
     seed=0,
     hidden_size=64,
     num_layers=2,
@@ -166,6 +167,9 @@ DEFAULTS = dict(
     warmup_steps=100,
     constant_until=600,
     total_steps=1500,
+)
+DEFAULTS = dict(
+    TRAINING,
     student_max_dev_accuracy=0.30,
     transition_window=(150, 1500),
     dev_samples=1,
@@ -209,16 +213,8 @@ VLLM_DEFAULTS = dict(DEFAULTS, num_heads=2, weak_teacher=None)
 # vLLM's CPU attention. A teacher that cuts numbers into groups of up to three (`numbers="triplets"`, Llama 3's rule)
 # has every sum to learn as one token; none trained here has reached 0.95 held-out yet, so none ships.
 CROSS_TOKENIZER_DEFAULTS = dict(
-    seed=0,
-    hidden_size=64,
-    num_layers=2,
+    TRAINING,
     num_heads=2,
-    batch_size=128,
-    learning_rate=3e-3,
-    weight_decay=0.1,
-    warmup_steps=100,
-    constant_until=600,
-    total_steps=1500,
     skills=("addition",),
     architecture="llama",
     chat_format="llama3",
