@@ -73,7 +73,8 @@ def test_every_tiny_recipe_parses_into_its_mode():
     expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
     long = {f"long_{name}": mode for name, mode in LONG_MODES.items()}
     weak = {"weak_tvopd": "tv", "weak_tvopd_reward": "tv", "weak_reward_only": "tv", "weak_raw_reward": "raw"}
-    assert modes == {**expected, "multi_teacher": "tv", "vllm_server": "tv", **long, **weak}
+    others = {"multi_teacher": "tv", "vllm_server": "tv", "cross_tokenizer": "tv"}
+    assert modes == {**expected, **others, **long, **weak}
 
 
 def test_the_reward_recipe_trains_on_the_accuracy_reward_beside_the_weak_teacher(tmp_path):
