@@ -391,8 +391,8 @@ def check_job_arguments(job_args, training_args, model_args):
         if job_args.embedded_teacher not in choices.get(job_args.embedded_task, ()):
             raise ValueError(
                 f"`embedded_teacher` names one of the multi-teacher family's teachers ({', '.join(SKILLS)}) and goes "
-                f"with `embedded_task: multi_teacher`, or is `{WEAK_TEACHER}` (the tiny pair's imperfect teacher) or "
-                f"{' or '.join(CROSS_TOKENIZER_TEACHERS)} (another family's) and goes with `embedded_task: addition`; "
+                f"with `embedded_task: multi_teacher`, or is `{WEAK_TEACHER}` (the tiny pair's imperfect teacher) and goes "
+                f"with `embedded_task: addition`, as does {' or '.join(CROSS_TOKENIZER_TEACHERS)} (another family's); "
                 f"got {job_args.embedded_teacher!r} with `embedded_task: {job_args.embedded_task}`."
             )
         if teacher_named or training_args.teacher_model_server_url:
