@@ -391,9 +391,9 @@ def check_job_arguments(job_args, training_args, model_args):
         if job_args.embedded_teacher not in choices.get(job_args.embedded_task, ()):
             raise ValueError(
                 f"`embedded_teacher` names one of the multi-teacher family's teachers ({', '.join(SKILLS)}) and goes "
-                f"with `embedded_task: multi_teacher`, or is `{WEAK_TEACHER}` (the tiny pair's imperfect teacher) and goes "
-                f"with `embedded_task: addition`, as does {' or '.join(CROSS_TOKENIZER_TEACHERS)} (another family's); "
-                f"got {job_args.embedded_teacher!r} with `embedded_task: {job_args.embedded_task}`."
+                f"with `embedded_task: multi_teacher`, or is {' or '.join(CROSS_TOKENIZER_TEACHERS)} (another family's) or "
+                f"`{WEAK_TEACHER}` (the tiny pair's imperfect teacher) and goes with `embedded_task: addition`; got "
+                f"{job_args.embedded_teacher!r} with `embedded_task: {job_args.embedded_task}`."
             )
         if teacher_named or training_args.teacher_model_server_url:
             raise ValueError("`embedded_teacher` picks the embedded family's teacher: drop it, or your own teacher.")
