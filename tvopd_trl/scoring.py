@@ -124,15 +124,18 @@ class CompletionScoringMixin:
             self._record_served_teacher_stats(served, served_stats)
         return batch
 
-    def _record_alignment_stats(self, stats):
+    def _pool_over_processes(self, stats, reductions):
+        """`(teachers, statistics)` `stats` of this process, pooled over all processes by each statistic's reduction
+        (`"sum"` or `"max"`): one collective, of one size on every process, whichever teachers each had rows for."""
         gathered = self.accelerator.gather(stats[None])  # (processes, teachers, statistics)
-        pooled = [
-            gathered[..., k].amax(dim=0) if reduction == "max" else gathered[..., k].sum(dim=0)
-            for k, reduction in enumerate(ALIGNMENT_STATISTICS.values())
-        ]
+        summed = torch.tensor([reduction == "sum" for reduction in reductions], device=stats.device)
+        return torch.where(summed, gathered.sum(dim=0), gathered.amax(dim=0))
+
+    def _record_alignment_stats(self, stats):
+        pooled = self._pool_over_processes(stats, ALIGNMENT_STATISTICS.values())
         mode = "train" if self.model.training else "eval"
-        for index, name in enumerate(self.alignments):
-            spans, student, teacher, largest, masked, scored = (value[index].item() for value in pooled)
+        for name, values in zip(self.alignments, pooled.tolist(), strict=True):
+            spans, student, teacher, largest, masked, scored = values
             if scored == 0:  # no row for this teacher anywhere
                 continue
             prefix = "cross_tokenizer/" if len(self.teachers) == 1 else f"cross_tokenizer/{name}/"
@@ -146,12 +149,9 @@ class CompletionScoringMixin:
                 self.record_metric(prefix + metric, value, mode=mode)
 
     def _record_served_teacher_stats(self, served, stats):
-        # One collective per scoring, of one size on every process, whichever teachers each process had rows for
-        gathered = self.accelerator.gather(stats[None])  # (processes, served teachers, 1 + statistics)
-        summed = torch.tensor([reduction == "sum" for reduction in SERVED_TEACHER_STATS], device=stats.device)
-        pooled = torch.where(summed, gathered[..., 1:].sum(dim=0), gathered[..., 1:].amax(dim=0))
-        scored = gathered[..., 0].amax(dim=0) > 0
-        for teacher, values, scored_anywhere in zip(served, pooled.tolist(), scored.tolist(), strict=True):
+        # The first column, whether a process scored on the teacher, pools by its maximum
+        pooled = self._pool_over_processes(stats, ["max", *SERVED_TEACHER_STATS.values()])
+        for teacher, (scored_anywhere, *values) in zip(served, pooled.tolist(), strict=True):
             if not scored_anywhere:  # no process had rows for it: no request was made
                 continue
             for stat, value in zip(SERVED_TEACHER_STATS, values, strict=True):

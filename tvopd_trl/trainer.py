@@ -227,9 +227,8 @@ class TVOPDTrainer(
         self.reward_funcs, self.reward_func_names = reward_funcs, reward_func_names
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
-        self.alignments = check_loaded_trainer(
-            self, teacher_tokenizers
-        )  # name -> TokenizerAlignment (cross_tokenizer)
+        # name -> TokenizerAlignment of each teacher with another tokenizer (`cross_tokenizer`)
+        self.alignments = check_loaded_trainer(self, teacher_tokenizers)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
