@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -468,14 +469,11 @@ def teacher_prompt_batch(prompts, names, alignments, device) -> dict[str, torch.
     """`teacher_prompt_ids` / `teacher_prompt_mask` (`(B, P')`, left-padded) of dataset rows `prompts` whose teachers
     are `names`: each prompt rendered for its teacher when it has another tokenizer, empty otherwise."""
     ids = [
-        alignments[name].teacher_prompt_ids(row["prompt"]) if name in alignments else []
+        torch.tensor(
+            alignments[name].teacher_prompt_ids(row["prompt"]) if name in alignments else [], dtype=torch.long
+        )
         for row, name in zip(prompts, names, strict=True)
     ]
-    width = max(map(len, ids))
-    prompt_ids = torch.zeros(len(ids), width, dtype=torch.long)
-    prompt_mask = torch.zeros(len(ids), width, dtype=torch.long)
-    for row, row_ids in enumerate(ids):
-        if row_ids:
-            prompt_ids[row, -len(row_ids) :] = torch.tensor(row_ids)
-            prompt_mask[row, -len(row_ids) :] = 1
+    prompt_ids = pad_sequence(ids, batch_first=True, padding_side="left")
+    prompt_mask = pad_sequence([torch.ones_like(row) for row in ids], batch_first=True, padding_side="left")
     return {"teacher_prompt_ids": prompt_ids.to(device), "teacher_prompt_mask": prompt_mask.to(device)}
