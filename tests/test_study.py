@@ -199,6 +199,10 @@ def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path)
     spans = aggregates["Alignment"]
     assert spans["Raw OPD - Llama digits"]["student_tokens_per_span"][0] == pytest.approx(sum(logged) / len(logged))
     assert spans["Raw OPD - Llama digits"]["student_tokens_per_span"][0] >= 1
+    masked = [
+        entry["cross_tokenizer/masked_fraction"] for entry in history if "cross_tokenizer/masked_fraction" in entry
+    ]
+    assert spans["Raw OPD - Llama digits"]["masked_fraction"][0] == pytest.approx(100 * sum(masked) / len(masked))
     assert spans["TV-OPD - same family"]["student_tokens_per_span"] is None  # the token path has no spans
 
 

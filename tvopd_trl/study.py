@@ -526,10 +526,12 @@ def analyze_span_metrics(study, results):
         means = {
             key: [_run_mean(run["log_history"], f"cross_tokenizer/{key}") for run in runs] for key in SPAN_METRICS
         }
-        spans[name] = {key: None if None in values else _aggregate(values) for key, values in means.items()}
-        spans[name]["masked_fraction"] = spans[name]["masked_fraction"] and tuple(
-            None if v is None else 100 * v for v in spans[name]["masked_fraction"]
-        )
+        # The masked fraction in percent, as its column says
+        scales = {"masked_fraction": 100}
+        spans[name] = {
+            key: None if None in values else _aggregate(scales.get(key, 1) * value for value in values)
+            for key, values in means.items()
+        }
         spans[name]["scale"] = _aggregate(
             _history_series(run["log_history"], "tv/scale")[max(run["accuracy"])] for run in runs
         )
