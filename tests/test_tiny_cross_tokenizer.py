@@ -32,7 +32,7 @@ def pieces(tokenizer, text):
 
 
 def test_teachers_are_llama_models_with_fast_tokenizers_of_their_own(teachers, student_tokenizer):
-    assert set(teachers) == {"digits"}
+    assert set(teachers) == {"digits", "triplets"}
     vocabularies = [student_tokenizer.get_vocab()]
     for model, tokenizer in teachers.values():
         assert isinstance(model, LlamaForCausalLM)
@@ -41,16 +41,22 @@ def test_teachers_are_llama_models_with_fast_tokenizers_of_their_own(teachers, s
         assert tokenizer.backend_tokenizer.normalizer is None  # Llama 3's: the student's NFC is not the teachers'
         assert tokenizer.get_vocab() not in vocabularies
         vocabularies.append(tokenizer.get_vocab())
-    assert [len(vocabulary) for vocabulary in vocabularies] == [300, 400]
+    assert [len(vocabulary) for vocabulary in vocabularies] == [300, 400, 600]
 
 
-def test_numbers_are_cut_into_digits_and_words_otherwise_than_by_the_student(teachers, student_tokenizer):
-    digits = teachers["digits"][1]
+def test_numbers_are_cut_into_digits_or_groups_of_three_and_words_otherwise_than_by_the_student(
+    teachers, student_tokenizer
+):
+    digits, triplets = teachers["digits"][1], teachers["triplets"][1]
     assert pieces(digits, "1234") == pieces(student_tokenizer, "1234") == ["1", "2", "3", "4"]
+    assert pieces(triplets, "1234") == ["123", "4"]
+    assert all(len(pieces(triplets, str(number))) == 1 for number in range(200))  # every operand and answer
+    assert pieces(triplets, "\\boxed{133}") == ["\\boxed", "{", "133", "}"]
     assert pieces(student_tokenizer, "\\boxed{133}") == ["\\boxed", "{", "1", "3", "3", "}"]
-    # Words, spaces and punctuation are cut otherwise than by the student
-    assert pieces(digits, " The answer") == ["ĠThe", "Ġanswer"]
-    assert pieces(digits, " \\boxed{1")[:2] == ["Ġ\\", "boxed"]
+    # Words, spaces and punctuation are cut otherwise than by the student, by both teachers
+    for teacher in (digits, triplets):
+        assert pieces(teacher, " The answer") == ["ĠThe", "Ġanswer"]
+        assert pieces(teacher, " \\boxed{1")[:2] == ["Ġ\\", "boxed"]
     assert pieces(student_tokenizer, " The answer") == ["Ġ", "The", "Ġ", "an", "sw", "er"]
     assert pieces(student_tokenizer, " \\boxed{1")[:5] == ["Ġ", "\\", "b", "ox", "ed"]
 

@@ -45,7 +45,7 @@ EMBEDDED_BENCHMARKS = {
 # `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
 WEAK_TEACHER = "weak"
 # `embedded_teacher`'s names of the teachers of another family (`tvopd_trl.tiny.cross_tokenizer_paths`), by member
-CROSS_TOKENIZER_TEACHERS = {"cross_digits": "digits"}
+CROSS_TOKENIZER_TEACHERS = {"cross_digits": "digits", "cross_triplets": "triplets"}
 # The embedded default: the recipe a job runs when it names no recipe, model, teacher or dataset.
 DEFAULT_RECIPE = "tiny/tvopd"
 CUSTOM_KEYS = ("model_name_or_path", "teacher_model_name_or_path", "teacher_model_server_url", "dataset_name")
@@ -78,10 +78,11 @@ class MainJobArguments:
         embedded_teacher (`str`, *optional*):
             An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
             imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
-            (`tvopd_trl.tiny.weak_teacher_path()`); `cross_digits`: a teacher of another family (a Llama with its own
-            tokenizer, numbers cut into single digits), which needs `cross_tokenizer: true` (docs/cross-tokenizer.md). With `embedded_task: multi_teacher`, the one teacher of the family
-            (`addition` or `subtraction`) that scores every prompt, the other skill's too, where it is wrong: the
-            one-teacher baseline of docs/multi-teacher.md. Defaults to the task's teacher (with `multi_teacher`,
+            (`tvopd_trl.tiny.weak_teacher_path()`); `cross_digits` and `cross_triplets`: teachers of another family
+            (Llamas with tokenizers of their own that cut numbers into single digits, or into groups of up to three
+            digits as Llama 3 does), which need `cross_tokenizer: true` (docs/cross-tokenizer.md). With
+            `embedded_task: multi_teacher`, the one teacher of the family (`addition` or `subtraction`) that scores
+            every prompt, the other skill's too, where it is wrong: the one-teacher baseline of docs/multi-teacher.md. Defaults to the task's teacher (with `multi_teacher`,
             routing each prompt to its own skill's teacher).
         dataset_name (`str`, *optional*):
             Hub dataset id or local JSON/JSONL file of prompts (see `dataset_prompt_column`). Defaults to the embedded
@@ -133,8 +134,8 @@ class MainJobArguments:
     embedded_teacher: str | None = field(
         default=None,
         metadata={
-            "help": "Another embedded teacher: weak (embedded_task addition: the imperfect teacher), cross_digits "
-            "(embedded_task addition: another family's, with cross_tokenizer), or addition or "
+            "help": "Another embedded teacher: weak (embedded_task addition: the imperfect teacher), cross_digits or "
+            "cross_triplets (embedded_task addition: another family's, with cross_tokenizer), or addition or "
             "subtraction (embedded_task multi_teacher: one family teacher for every prompt)."
         },
     )

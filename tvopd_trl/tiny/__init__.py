@@ -65,16 +65,17 @@ attention heads of 32 instead of 4 of 16: vLLM's CPU attention has kernels for h
 accuracy (k=4): teacher 1.00, student 0.31. ``embedded_task: addition_vllm`` trains on it (``recipes/tiny/vllm_*.yaml``);
 ``python -m tvopd_trl.tiny.build --family vllm`` rebuilds it (about 3 minutes, bit-identical).
 
-The cross-tokenizer teacher (``checkpoints/cross_tokenizer``, ``cross_tokenizer_paths()``) is a teacher of the
-default pair's task for its student from another model family, with a tokenizer of its own: a Llama model (hidden
-64, 2 layers, 2 heads of 32, so that vLLM's CPU build serves it too) with a Llama-3-like byte-level BPE tokenizer
+The cross-tokenizer teachers (``checkpoints/cross_tokenizer``, ``cross_tokenizer_paths()``) are teachers of the
+default pair's task for its student from another model family, each with a tokenizer of its own: Llama models (hidden
+64, 2 layers, 2 heads of 32, so that vLLM's CPU build serves them too) with Llama-3-like byte-level BPE tokenizers
 (``<|begin_of_text|>`` BOS rendered by the chat template, ``<|start_header_id|>role<|end_header_id|>`` turns ended by
 ``<|eot_id|>``, the EOS; no normalizer), trained on other text than the student's, so that words, spaces and
 punctuation are cut otherwise (``" The answer"``: ``ĠThe``, ``Ġanswer`` against the student's ``Ġ``, ``The``, ``Ġ``,
-``an``, ``sw``, ``er``). ``"digits"`` (400 ids) cuts numbers into digits as the student does. It solves the held-out
-split (k=4: 1.00, 1,500 steps, 187 s on one core). A teacher that cuts numbers into groups of up to three digits, as
-Llama 3 does, is not shipped: none trained at this size has reached 0.95 held-out yet. ``python -m
-tvopd_trl.tiny.build --family cross-tokenizer`` rebuilds it.
+``an``, ``sw``, ``er``). ``"digits"`` (400 ids) cuts numbers into digits as the student does: held-out k=4 1.00
+(1,500 steps, about 3 minutes on one core). ``"triplets"`` (600 ids) cuts them into groups of up to three digits, as
+Llama 3 does: every operand and every answer is one token (``133``; ``1234`` is ``123``, ``4``), one that covers the
+student's two or three answer digits, so it has each sum to learn as a whole: held-out k=4 0.98 (greedy 0.99) after
+7,000 steps (about 13 minutes on one core). ``python -m tvopd_trl.tiny.build --family cross-tokenizer`` rebuilds both.
 """
 
 import os
@@ -128,9 +129,9 @@ def vllm_paths():
 
 def cross_tokenizer_paths():
     """Directories of the shipped cross-tokenizer teachers of the default student (`student_path()`), Llama models
-    with Llama-3-like tokenizers of their own, named by how they cut numbers: `{"digits": path}` (into digits, as the
-    student does)."""
-    return {teacher: os.path.join(CROSS_TOKENIZER_DIR, teacher) for teacher in ("digits",)}
+    with Llama-3-like tokenizers of their own, named by how they cut numbers: `{"digits": path, "triplets": path}`
+    (into digits, as the student does, or into groups of up to three digits, as Llama 3 does)."""
+    return {teacher: os.path.join(CROSS_TOKENIZER_DIR, teacher) for teacher in ("digits", "triplets")}
 
 
 __all__ = [
