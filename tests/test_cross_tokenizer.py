@@ -168,6 +168,29 @@ def test_a_three_digit_teacher_puts_the_answers_digits_in_one_span(student, alig
     assert sum(row.masked.values()) == 0
 
 
+def test_no_span_ends_where_only_one_side_would_end_its_word_whatever_came_next(student, aligned, digits):
+    # To a triplets teacher "47" in "{47}" is the number forty-seven (one more digit would have made "47x"); to the
+    # digit student "7" is a digit that any other may follow. The cut after it is both tokenizations', but the "}"
+    # (and an end token) after it belongs to the number's span: else it alone would be credited with ending the number
+    eos = student.eos_token_id
+    for text, spans, teacher_spans in (
+        ("\\boxed{47}", [0, 1, 2, 2, 2, 3], [0, 1, 2, 2, 3]),  # "47", "}" in one span
+        ("\\boxed{133}", [0, 1, 2, 2, 2, 3, 4], [0, 1, 2, 3, 4]),  # three digits: no fourth could follow
+    ):
+        completion = encode(student, text) + [eos]
+        assert student.convert_ids_to_tokens(completion)[2:-2] == list(text[7:-1])
+        row = aligned.align([completion])[0]
+        assert (row.student_spans, row.teacher_spans) == (spans, teacher_spans) and sum(row.masked.values()) == 0
+        # A teacher that cuts digits as the student does agrees on every cut
+        same = TokenizerAlignment(student, digits, [eos]).align([completion])[0]
+        assert same.student_spans == same.teacher_spans == list(range(len(completion)))
+    # A completion that ends inside the teacher's number: its end token joins the number's span
+    completion = encode(student, "\\boxed{1} 47") + [eos]
+    row = aligned.align([completion])[0]
+    assert row.student_spans[-1] == row.student_spans[-2] == row.student_spans[-3] == row.teacher_spans[-1]
+    assert row.teacher_spans[-2] == row.teacher_spans[-1]
+
+
 def test_a_character_split_across_student_tokens_stays_whole_in_its_span(student):
     # A teacher whose vocabulary holds "é" whole, and one that cuts it into its two bytes where the student does
     accented = dataclasses.replace(LLAMA3, spare_lines=(*LLAMA3.spare_lines, "café naïve über " * 20))

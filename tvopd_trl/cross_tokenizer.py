@@ -29,6 +29,7 @@ not give back byte for byte.
 
 import bisect
 import collections
+import functools
 import itertools
 import json
 import math
@@ -55,6 +56,10 @@ PROBES = (
     "x<|endoftext|>y<|im_end|>z<|eot_id|>",
     "\tindented\r\nline",
 )
+# One character of each class that may follow a pre-token: whether it would extend the pre-token tells whether a
+# token that ends there carries the next character's class in its own probability (Llama 3's `\p{N}{1,3}` ends "1" in
+# "1}" only because "}" follows: its "1" is the number one, where a digit tokenizer's "1" is any number's first digit)
+LOOKAHEAD_PROBES = ("a", "é", "0", " ", "\n", ".", "'")
 # Why the teacher does not score a span, as counted per batch: the first reason found counts
 MASK_REASONS = ("unreproduced", "invalid_utf8", "special_token", "non_canonical", "truncated_tail")
 # The spans the student wrote that the teacher's text cannot hold: they are ruled out (delta = -inf), not left out.
@@ -179,6 +184,33 @@ def _spans_of(ends, lengths, common):
     return spans
 
 
+class _PreTokenizer:
+    """A tokenizer's pre-tokenization (the words its tokens never cross), with, at the end of each pre-token, the
+    `LOOKAHEAD_PROBES` that would have extended it."""
+
+    def __init__(self, tokenizer):
+        self.pre_tokenizer = tokenizer.backend_tokenizer.pre_tokenizer
+        self.extenders = functools.lru_cache(maxsize=1 << 16)(self._extenders)
+
+    def _extenders(self, word):
+        return frozenset(
+            probe
+            for probe in LOOKAHEAD_PROBES
+            if all(end != len(word) for _, (_, end) in self.pre_tokenizer.pre_tokenize_str(word + probe))
+        )
+
+    def lookahead(self, text):
+        """`{byte position where a pre-token of text ends: the probes that would have extended it}`, or None for a
+        tokenizer without a pre-tokenizer (nothing known: every boundary is taken as it is)."""
+        if self.pre_tokenizer is None:
+            return None
+        offsets = list(itertools.accumulate((len(character.encode()) for character in text), initial=0))
+        return {
+            offsets[end]: self.extenders(text[start:end])
+            for _, (start, end) in self.pre_tokenizer.pre_tokenize_str(text)
+        }
+
+
 @dataclass
 class AlignedRow:
     """One completion aligned with a teacher: the teacher's completion ids (its end-of-turn last when the completion
@@ -264,6 +296,7 @@ class TokenizerAlignment:
         self.student_bytes, self.teacher_bytes = byte_table(student), byte_table(teacher)
         self.student_end_ids = set(student_end_ids)
         self.teacher_end_id = end_of_turn_id(teacher)
+        self.pre_tokenizers = (_PreTokenizer(student), _PreTokenizer(teacher))
         for who, tokenizer, table in (("student", student, self.student_bytes), (name, teacher, self.teacher_bytes)):
             for probe, ids in zip(PROBES, self._tokenize(tokenizer, list(PROBES)), strict=True):
                 pieces = [table[i] for i in ids]
@@ -324,7 +357,16 @@ class TokenizerAlignment:
         reproduced = None not in teacher_pieces and b"".join(teacher_pieces) == text_bytes
         canonical_ok = None not in canonical_pieces and b"".join(canonical_pieces) == text_bytes
         teacher_ends = _ends(map(len, teacher_pieces)) if reproduced else []
-        boundaries = {end for end, cut in positions if cut} & set(teacher_ends)
+        # Where both cut, and both would end a pre-token for the same next characters (or neither ends one): else one
+        # side's token before the cut holds the decision that the other's token after it makes, and each span's
+        # log-ratio would credit it to another token ("1" then "}" to a digit student, "1" the number one to a
+        # triplets teacher: the cut between them would reward "}" for ending every number after its first digit)
+        lookaheads = [pre_tokenizer.lookahead(text) for pre_tokenizer in self.pre_tokenizers]
+
+        def agreed(position):
+            return None in lookaheads or lookaheads[0].get(position) == lookaheads[1].get(position)
+
+        boundaries = {end for end, cut in positions if cut and agreed(end)} & set(teacher_ends)
         common = sorted(boundaries | {0, length})
         student_spans = _spans_of(student_ends, lengths, common)
         teacher_spans = _spans_of(teacher_ends, [1] * len(teacher_ends), common) if reproduced else []
@@ -359,10 +401,14 @@ class TokenizerAlignment:
                 masked[masked_spans.get(span, "special_token" if piece is None else "unreproduced")] += 1
         teacher_spans = [-1 if s in masked_spans else s for s in teacher_spans]
         teacher_ids = list(teacher_ids) if reproduced else []
-        if ended and reproduced:  # the end token is a span of its own, scored as the teacher's end of turn
-            spans.append(len(common) - 1)
+        if ended and reproduced:  # the end token, scored as the teacher's end of turn: a span of its own, or the last
+            # text span's where the sides disagree on what may follow it (as between two text spans)
+            end_span = len(common) - 1 if not length or agreed(length) else len(common) - 2
+            spans.append(-1 if end_span in masked_spans and end_span not in ruled_out else end_span)
+            if end_span in masked_spans:
+                masked[masked_spans[end_span]] += 1
             teacher_ids.append(self.teacher_end_id)
-            teacher_spans.append(len(common) - 1)
+            teacher_spans.append(-1 if end_span in masked_spans else end_span)
         elif ended:
             spans.append(-1)
             masked["unreproduced"] += 1
