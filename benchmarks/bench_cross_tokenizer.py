@@ -1,6 +1,6 @@
 """The alignment's share of a main-job step with a teacher of another family, and that step against the same-family one.
 
-    cd benchmarks && OMP_NUM_THREADS=1 python bench_cross_tokenizer.py [--rounds 3] [--steps 6] [--teachers digits]
+    cd benchmarks && OMP_NUM_THREADS=1 python bench_cross_tokenizer.py [--rounds 3] [--steps 6] [--teachers digits,triplets]
 
 The main job's step (recipes/tiny/cross_tokenizer.yaml: 128 prompts, 8 completion tokens, the embedded student) is
 timed with the same-family teacher (the token path) and with each embedded teacher of another family
@@ -80,7 +80,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--teachers", default="digits", help="Embedded teachers of another family to time.")
+    parser.add_argument("--teachers", default="digits,triplets", help="Embedded teachers of another family to time.")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     other = cross_tokenizer_paths()

@@ -16,7 +16,10 @@ tokenization of that text, and the spans on which both agree (docs/cross-tokeniz
 
 Everything is in bytes, from a per-id byte table of each vocabulary: a byte-level token may hold part of a character,
 so neither `decode()` nor character offsets can place its boundaries. Spans are the intervals between consecutive byte
-positions where both tokenizations cut, plus one span of its own for the end token of a completion that ended.
+positions where both tokenizations cut, plus one span of its own for the end token of a completion that ended. A cut
+where only one side's pre-tokenizer would end a word whatever came next is no boundary: a teacher's "4" that can only be
+the number four (Llama 3 groups digits by three) and a student's "4" that may begin any number make different
+decisions, and the "}" after them belongs to their span.
 
 The teacher does not score a span where the student wrote what no text of the teacher can hold: invalid UTF-8, a
 special token inside the completion, or tokens that are not the student tokenizer's own tokenization of the text (a
