@@ -271,9 +271,9 @@ def test_transformers_generator_is_seeded_and_restores_the_model(tokenizer, mode
     tokenizer.padding_side = "left"
 
 
-def stand_in_vllm(monkeypatch, vocab_size):
+def stand_in_vllm(monkeypatch, vocab_size, cpu=False):
     """A stand-in `vllm` module (the real one runs in tests/test_vllm_eval.py) serving an output layer of `vocab_size`
-    rows: it records what it is asked, and each engine's liveness."""
+    rows, on a GPU unless `cpu`: it records what it is asked, and each engine's liveness."""
     seen = {"engines": []}
 
     class SamplingParams:
@@ -296,7 +296,9 @@ def stand_in_vllm(monkeypatch, vocab_size):
                 for i in range(len(requests))
             ]
 
+    platform = types.SimpleNamespace(is_cpu=lambda: cpu)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=platform))
     return seen
 
 
@@ -321,6 +323,15 @@ def test_vllm_generator_biases_padded_ids_away_and_closes_its_engine(monkeypatch
     assert seen["params"]["logit_bias"] == {len(tokenizer) + i: -100.0 for i in range(3)}
     generator.close()
     assert seen["engines"][0]() is None
+
+
+def test_vllm_generator_on_a_cpu_schedules_whole_prompts(monkeypatch, tokenizer):
+    # The real crash a split prompt causes there runs in tests/test_vllm_eval.py.
+    seen = stand_in_vllm(monkeypatch, len(tokenizer), cpu=True)
+    VLLMGenerator("some/model", tokenizer, max_num_batched_tokens=64)
+    assert seen["llm"] == ("some/model", {"max_num_batched_tokens": 64, "enable_chunked_prefill": False})
+    with pytest.raises(ValueError, match="leave it unset"):
+        VLLMGenerator("some/model", tokenizer, enable_chunked_prefill=True)
 
 
 def test_cli_closes_each_checkpoints_vllm_engine_before_the_next(monkeypatch, model_dirs, tokenizer, tmp_path):

@@ -147,3 +147,21 @@ def test_a_padded_output_layer_never_yields_a_padded_id(tokenizer, tmp_path):
     assert len(sampled) == 16 * 4 and all(ids for ids in sampled)
     assert max(token for ids in sampled for token in ids) < tokens
     assert all(len(samples) == 4 for samples in responses)
+
+
+def test_seeded_sampling_survives_a_step_budget_smaller_than_the_prompts(tokenizer):
+    # A step of 64 tokens holds four of these prompts (14 tokens each): with chunked prefill on, vLLM would split the
+    # fifth and its CPU runner, rewinding that request's seeded generator, kill the engine ("CPU Generator does not use
+    # offset"; it did, before `VLLMGenerator` turned chunked prefill off on a CPU).
+    generator = VLLMGenerator(PAIR["student"], tokenizer, **ENGINE, max_num_batched_tokens=64, max_num_seqs=8)
+    prompts = [[{"role": "user", "content": f"{a}+{a + 3}="}] for a in range(10, 42)]
+    settings = SamplingSettings(k=2, max_new_tokens=MAX_NEW_TOKENS)
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    assert {len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts} == {14}
+    try:
+        responses = generator(prompts, settings)
+        # Seeded per request: the same responses again, whatever the steps held.
+        assert generator(prompts, settings) == responses
+    finally:
+        generator.close()
+    assert len(responses) == 32 and all(len(samples) == 2 for samples in responses)

