@@ -18,6 +18,7 @@ Bad input is refused before any model loads wherever it can be (`check_inputs`, 
 (`check_loaded_trainer`), with warnings for settings that break the estimator's assumptions.
 """
 
+import inspect
 import os
 import time
 import warnings
@@ -78,11 +79,21 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model, ev
     _check_dataset(train_dataset, processing_class)
     _check_batch_layout(args, train_dataset)
     check_async_setup(args, train_dataset)
-    if args.use_vllm and tools:
+    if tools and args.use_vllm and args.vllm_mode == "server" and args.world_size > 1:
         raise ValueError(
-            "Tool calling with vLLM rollouts is not supported by TVOPDTrainer yet: the sampler log-probabilities "
-            "of multi-turn completions are not tracked. Use transformers generation (use_vllm=False) with tools."
+            f"Tools with a vLLM rollout server need a single training process (this run has {args.world_size}): "
+            "TRL samples each tool turn in a request that every process must join, yet only the processes whose "
+            "rows called a tool join it. Train in one process, or use vllm_mode='colocate' (each process samples "
+            "its own rows)."
         )
+    if tools and args.use_vllm and args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1:
+        raise ValueError(
+            "Tools with colocated vLLM need vllm_tensor_parallel_size=1: the processes of a tensor-parallel group "
+            "sample each turn together, yet each runs its own tool loop."
+        )
+    if any(inspect.iscoroutinefunction(tool) for tool in tools or ()):
+        # TRL refuses them too, once the models are loaded
+        raise ValueError("Async tools are not supported by TRL's tool loop: pass synchronous tools.")
     if isinstance(processing_class, ProcessorMixin):
         raise ValueError(
             "TVOPDTrainer is text-only, but the processing class is a multimodal processor "

@@ -26,6 +26,13 @@ from trl.data_utils import is_conversational
 from trl.trainer.utils import get_callable_name, nanstd, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 
+def final_answer(conversation):
+    """The content of the last assistant message of a conversational completion (with tools, the turn after the
+    last tool result; "" if it has none)."""
+    replies = [message for message in conversation if message.get("role") == "assistant"]
+    return (replies[-1].get("content") or "") if replies else ""
+
+
 def accuracy_reward(completions, solution=None, answer=None, **kwargs) -> list[float | None]:
     """1.0 where the completion's last `\\boxed{}` equals the gold answer under math-verify, else 0.0 (nothing boxed,
     a wrong answer, or a grading timeout); `None`, a skip, where the gold answer itself does not parse. The gold
@@ -38,7 +45,7 @@ def accuracy_reward(completions, solution=None, answer=None, **kwargs) -> list[f
             "The `accuracy` reward grades against the prompts' gold answers, but the dataset has neither a "
             "`solution` nor an `answer` column: add one (with `remove_unused_columns=False`, the default)."
         )
-    texts = [completion[0]["content"] if isinstance(completion, list) else completion for completion in completions]
+    texts = [final_answer(completion) if isinstance(completion, list) else completion for completion in completions]
     _, statuses = grade_responses(texts, [str(gold) for gold in golds], workers=1)
     return [None if status == INVALID_GOLD else float(status == CORRECT) for status in statuses]
 
@@ -161,7 +168,7 @@ def group_advantages(table, weights, num_generations, scale_rewards="group"):
 
 class RewardScoringMixin:
     """The task-reward half of [`TVOPDTrainer`]: it reads the trainer's `reward_funcs`, `reward_func_names`,
-    `reward_weights`, `args`, `accelerator`, `processing_class`, `state` and `_metrics`."""
+    `reward_weights`, `args`, `accelerator`, `processing_class`, `state`, `_metrics` and `_tool_completions`."""
 
     def reward_advantages(self, prompts, batch):
         """The `(B,)` reward advantage of each completion of `batch` (from `generate_completions(prompts)`): the reward
@@ -174,6 +181,8 @@ class RewardScoringMixin:
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         conversational = is_conversational(prompts[0])
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
+        if self._tool_completions is not None:  # with tools, the conversations, as GRPO passes them
+            completions = self._tool_completions
         columns = {key: [row[key] for row in prompts] for key in prompts[0] if key not in ("prompt", "completion")}
         local = reward_table(
             self.reward_funcs,

