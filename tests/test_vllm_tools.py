@@ -7,15 +7,22 @@ ChatML template that renders tool calls and results. Run with the README's vLLM 
 """
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import AutoTokenizer
 from trl.chat_template_utils import qwen3_template
 from trl.trainer.utils import pad
 
-from tvopd_trl.testing import LocalVLLMServer, tiny_config
+from tvopd_trl.rewards import accuracy_reward
+from tvopd_trl.testing import LocalVLLMServer, free_port, tiny_config
 from tvopd_trl.tiny import prompt_dataset, vllm_paths
 from tvopd_trl.tools import mask_runs
 from tvopd_trl.trainer import TVOPDTrainer
@@ -65,10 +72,8 @@ def tool_calls_wanted(a):
     return 2 if a % 4 == 0 else 1 if a % 2 == 0 else 0
 
 
-@pytest.fixture
-def forced_tool_calls(monkeypatch):
-    """TRL's response parser reads a call to `add` in the turns `tool_calls_wanted` asks for."""
-    import trl.trainer.distillation_trainer as distillation
+def forced_parser():
+    """TRL's response parser, made to read a call to `add` in the turns `tool_calls_wanted` asks for."""
 
     def parse_response(tokenizer, ids, prefix=None, tools=None):
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -79,15 +84,26 @@ def forced_tool_calls(monkeypatch):
         call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
         return {"role": "assistant", "content": text, "tool_calls": [call]}
 
-    monkeypatch.setattr(distillation, "parse_response", parse_response)
+    return parse_response
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+@pytest.fixture
+def forced_tool_calls(monkeypatch):
+    import trl.trainer.distillation_trainer as distillation
+
+    monkeypatch.setattr(distillation, "parse_response", forced_parser())
+
+
+def tokenizer_with_tools():
     tokenizer = AutoTokenizer.from_pretrained(PAIR["student"], padding_side="left")
     tokenizer.chat_template = TOOL_TEMPLATE
     tokenizer.response_template = qwen3_template  # set, so that TRL does not look for one; the parser is forced
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizer_with_tools()
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +115,38 @@ def server(tmp_path_factory):
         server.stop()
 
 
-def tool_trainer(server, tokenizer, tmp_path, prompts=16, **overrides):
+def first_operand(row):
+    return int(re.search(r"Compute (\d+)", row["prompt"][0]["content"]).group(1))
+
+
+def calling_prompts():
+    """8 prompts that each call the tool: 4 whose calls raise, 4 whose calls succeed. 3 steps of 2 prompts draw 6
+    of them without replacement, so both kinds come up."""
+    rows = prompt_dataset("opd", 256).to_list()
+    raising = [row for row in rows if first_operand(row) % 6 == 0][:4]
+    succeeding = [row for row in rows if first_operand(row) % 2 == 0 and first_operand(row) % 3][:4]
+    return Dataset.from_list(raising + succeeding)
+
+
+def tool_trainer(server, tokenizer, tmp_path, prompts=16, teacher=PAIR["teacher"], reward_funcs=None, **overrides):
+    settings = dict(vllm_mode="server", vllm_server_base_url=server.url) if server else {}
+    settings.update(overrides)
     args = tiny_config(
         tmp_path,
         per_device_train_batch_size=8,
         max_completion_length=40,
         use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=server.url,
         vllm_server_weights_dir=str(tmp_path / "weights"),
-        **overrides,
+        **settings,
     )
     return TVOPDTrainer(
         model=PAIR["student"],
-        teacher_model=PAIR["teacher"],
+        teacher_model=teacher,
         args=args,
-        train_dataset=prompt_dataset("opd", prompts),
+        train_dataset=prompt_dataset("opd", prompts) if isinstance(prompts, int) else prompts,
         processing_class=tokenizer,
         teacher_processing_class=tokenizer,
+        reward_funcs=reward_funcs,
         tools=[add],
     )
 
@@ -152,7 +182,7 @@ def test_every_assistant_turn_keeps_the_servers_log_probabilities(forced_tool_ca
     model = trainer.accelerator.unwrap_model(trainer.model)
     turns_after_a_tool = 0
     for row, prompt in zip(rows, prompts, strict=True):
-        a = int(re.search(r"Compute (\d+)", prompt["prompt"][0]["content"]).group(1))
+        a = first_operand(prompt)
         mask = torch.tensor(row["tool_mask"]).bool()
         stretches = sum(value == 0 for value, _ in mask_runs(row["tool_mask"]))
         assert stretches <= tool_calls_wanted(a)  # TRL drops a result that would not fit in the 64 positions
@@ -164,6 +194,15 @@ def test_every_assistant_turn_keeps_the_servers_log_probabilities(forced_tool_ca
         if stretches and mask[-1]:
             turns_after_a_tool += 1
     assert turns_after_a_tool >= 3
+    # A served teacher (here the server itself, which holds the student's unchanged weights) scores the whole
+    # transcript: the sampled tokens as the student in process does, the tool results as context only
+    served = tool_trainer(server, tokenizer, tmp_path / "served", teacher=None, teacher_model_server_url=server.url)
+    scored = served.score_completions(dict(batch))
+    for i, row in enumerate(rows):
+        mask = torch.tensor(row["tool_mask"]).bool()
+        local = student_logps(model, row["prompt"], row["completion"])
+        assert (scored["teacher_logps"][i, : len(mask)] - local)[mask].abs().max() < LOGP_TOLERANCE
+        assert not scored["loss_mask"][i, : len(mask)][~mask].any()
     # The reward functions get each conversation: the turn with its call, the tool's result, the next turn
     conversations = trainer._tool_completions
     called = [c for c in conversations if len(c) > 1]
@@ -226,18 +265,79 @@ def test_a_tool_result_reaches_the_loss_only_through_the_later_turns(forced_tool
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
 def test_training_with_tools_on_server_rollouts(forced_tool_calls, server, tokenizer, tmp_path, max_staleness):
-    trainer = tool_trainer(server, tokenizer, tmp_path, prompts=24, max_staleness=max_staleness)
+    graded = []
+
+    def recording_accuracy(completions, answer, **kwargs):
+        graded.extend(completions)
+        return accuracy_reward(completions, answer=answer)
+
+    trainer = tool_trainer(
+        server,
+        tokenizer,
+        tmp_path,
+        prompts=calling_prompts(),
+        max_staleness=max_staleness,
+        reward_funcs=[recording_accuracy],
+        reward_coef=1.0,
+        num_generations=4,
+    )
     trainer.train()
+    # The task reward grades each conversation, as GRPO passes it: the tool's result, then the answer after it
+    assert len(graded) == 3 * 8
+    assert any(len(c) == 3 and c[1]["role"] == "tool" and c[2]["role"] == "assistant" for c in graded)
     logs = [entry for entry in trainer.state.log_history if "tv/estimate" in entry]
     assert len(logs) == 3
     # A call that raised is counted, and training goes on
     assert any(entry["tools/failure_frequency"] > 0 for entry in logs)
+    assert any(entry["tools/failure_frequency"] < 1 for entry in logs)
     for entry in logs:
-        assert entry["tools/call_frequency"] > 0 and entry["tools/failure_frequency"] < 1
-        assert entry["update/norm"] > 0
+        assert entry["tools/call_frequency"] >= 1 and entry["update/norm"] > 0
         if max_staleness == 0:
             # Importance weights over the assistant's tokens only: a tool token's 0.0 would be far from the student's
             assert 0 < entry["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE
             assert entry["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3)
         else:
             assert entry["async/staleness/mean"] <= 1
+
+
+def colocate_tool_logs(output_dir):
+    """The per-step logs of 3 steps with tools and a vLLM engine colocated in the training process."""
+    import trl.trainer.distillation_trainer as distillation
+
+    distillation.parse_response = forced_parser()
+    trainer = tool_trainer(
+        None,
+        tokenizer_with_tools(),
+        Path(output_dir),
+        prompts=24,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.05,
+    )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "tv/estimate" in entry]
+
+
+def test_training_with_tools_on_colocated_rollouts(tmp_path):
+    # In a process of its own, as tests/test_vllm.py's colocate test (a colocated engine leaves state behind it)
+    code = (
+        "import json, sys; from tests.test_vllm_tools import colocate_tool_logs; "
+        "print(json.dumps(colocate_tool_logs(sys.argv[1])))"
+    )
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(logs) == 3
+    assert any(entry["tools/failure_frequency"] > 0 for entry in logs)
+    for entry in logs:
+        assert entry["tools/call_frequency"] > 0
+        # The engine runs the float32 checkpoint in bf16 (see tests/test_vllm.py): a gap of a few thousandths per
+        # assistant token; a tool token's 0.0 against the student's log-probability would be worth nats
+        assert 1e-4 < entry["sampling/sampling_logp_difference/mean"] < 0.05
