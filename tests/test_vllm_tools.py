@@ -23,7 +23,7 @@ from trl.trainer.utils import pad
 
 from tvopd_trl.rewards import accuracy_reward
 from tvopd_trl.testing import LocalVLLMServer, free_port, tiny_config
-from tvopd_trl.tiny import prompt_dataset, vllm_paths
+from tvopd_trl.tiny import multi_skill_prompt_dataset, prompt_dataset, vllm_paths
 from tvopd_trl.tools import mask_runs
 from tvopd_trl.trainer import TVOPDTrainer
 
@@ -78,7 +78,7 @@ def forced_parser():
     def parse_response(tokenizer, ids, prefix=None, tools=None):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         context = tokenizer.decode(prefix)
-        a, b = map(int, re.search(r"Compute (\d+) \+ (\d+)\.", context).groups())
+        a, b = map(int, re.search(r"Compute (\d+) [+-] (\d+)\.", context).groups())
         if context.count("<|im_start|>tool") >= tool_calls_wanted(a):
             return {"role": "assistant", "content": text}
         call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
@@ -298,6 +298,17 @@ def test_training_with_tools_on_server_rollouts(forced_tool_calls, server, token
             assert entry["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3)
         else:
             assert entry["async/staleness/mean"] <= 1
+
+
+def test_several_teachers_with_tools(forced_tool_calls, server, tokenizer, tmp_path):
+    teachers = {"addition": PAIR["teacher"], "subtraction": PAIR["student"]}
+    prompts = multi_skill_prompt_dataset("opd").select(range(24))
+    trainer = tool_trainer(server, tokenizer, tmp_path, prompts=prompts, teacher=teachers, tv_scale_per_teacher=True)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "tv/estimate" in entry]
+    assert len(logs) == 3 and any(entry["tools/call_frequency"] > 0 for entry in logs)
+    # Each teacher's TV over its rows' sampled tokens: at the first step, the student as its own teacher is at 0
+    assert logs[0]["tv/subtraction/estimate"] == 0 and logs[0]["tv/addition/estimate"] > 0
 
 
 def colocate_tool_logs(output_dir):
