@@ -88,3 +88,50 @@ def assemble_sampler_logps(turns, tool_masks):
             logps += list(turn[:length])
         assembled.append(logps)
     return assembled
+
+
+class ToolLoopMixin:
+    """The tool half of [`TVOPDTrainer`]'s rollouts, around TRL's `_generate` and `_tool_call_loop`: under vLLM, the
+    trainer's `_generate_single_turn` appends each call's sampled log-probabilities to `_sampler_turns`, which
+    `_generate` assembles into `_sampler_logps`; with tools, the conversations go to the reward functions
+    (`_tool_completions`). It reads the trainer's `use_vllm`, `vllm_mode`, `vllm_generation` and `model`."""
+
+    _sampler_turns = None
+    _sampler_logps = None
+    _tool_completions = None
+
+    def _sample_tool_turn(self, prompt_ids):
+        """vLLM's completions of `prompt_ids` (and their log-probabilities) in the requests `turn_requests` makes, within
+        the context TRL's tool loop checks tool results against."""
+        generation = self.vllm_generation
+        if self.vllm_mode == "colocate":
+            context = generation.llm.llm_engine.model_config.max_model_len
+        else:
+            context = getattr(self.model.config, "max_position_embeddings", None)
+        budget = generation.max_completion_length
+        completion_ids, logprobs = [None] * len(prompt_ids), [None] * len(prompt_ids)
+        try:
+            for max_tokens, rows in turn_requests([len(ids) for ids in prompt_ids], budget, context):
+                generation.max_completion_length = max_tokens
+                _, sampled, sampled_logprobs, _ = generation.generate(
+                    prompts=[prompt_ids[row] for row in rows], images=None, num_generations=1
+                )
+                for row, ids, row_logprobs in zip(rows, sampled, sampled_logprobs, strict=True):
+                    completion_ids[row], logprobs[row] = ids, row_logprobs
+        finally:
+            generation.max_completion_length = budget
+        return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        # Under vLLM, each generation call of the tool loop records its turns' sampler log-probabilities
+        self._sampler_turns, self._tool_completions = [], None
+        prompt_ids, completion_ids, tool_mask, images, tool_images = super()._generate(prompts)
+        if self.use_vllm:
+            self._sampler_logps = assemble_sampler_logps(self._sampler_turns, tool_mask)
+        return prompt_ids, completion_ids, tool_mask, images, tool_images
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, images, multimodal_fields):
+        # The conversations (assistant turns with their tool calls, and tool results) go to the reward functions
+        result = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, images, multimodal_fields)
+        self._tool_completions = result[1]
+        return result

@@ -48,7 +48,7 @@ from .served_teacher import connect_teacher_pool
 from .spans import align_teacher_logps, broadcast_spans, span_sums
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
-from .tools import assemble_sampler_logps, turn_requests
+from .tools import ToolLoopMixin
 from .tv import tv_estimate
 
 
@@ -74,6 +74,7 @@ class TVOPDTrainer(
     RolloutBatchingMixin,
     CompletionScoringMixin,
     RewardScoringMixin,
+    ToolLoopMixin,
     AsyncRolloutMixin,
     RolloutCheckpointMixin,
     DistillationTrainer,
@@ -263,9 +264,6 @@ class TVOPDTrainer(
             self.vllm_generation.logprobs = 0
             if args.vllm_mode == "server" and self.accelerator.is_main_process:
                 bound_request_time(self.vllm_generation.vllm_client, args.vllm_server_request_timeout)
-        self._sampler_logps = None
-        # The sampler log-probabilities of each generation call of a rollout, and its tool conversations (with tools)
-        self._sampler_turns, self._tool_completions = [], None
         self._truncated_prompts = 0
         # Per-rollout and per-step accumulators (see `compute_loss` and `_finish_optimizer_step`)
         # The c_k of each scale (one per teacher, or one), read at the first step of a rollout batch and held for it
@@ -388,42 +386,6 @@ class TVOPDTrainer(
                     )
         self._sampler_turns.append([[token[0] for token in sequence] for sequence in logprobs])
         return completion_ids
-
-    def _sample_tool_turn(self, prompt_ids):
-        """vLLM's completions of `prompt_ids` (and their log-probabilities) in the requests `turn_requests` makes, within
-        the context TRL's tool loop checks tool results against."""
-        generation = self.vllm_generation
-        if self.vllm_mode == "colocate":
-            context = generation.llm.llm_engine.model_config.max_model_len
-        else:
-            context = getattr(self.model.config, "max_position_embeddings", None)
-        budget = generation.max_completion_length
-        completion_ids, logprobs = [None] * len(prompt_ids), [None] * len(prompt_ids)
-        try:
-            for max_tokens, rows in turn_requests([len(ids) for ids in prompt_ids], budget, context):
-                generation.max_completion_length = max_tokens
-                _, sampled, sampled_logprobs, _ = generation.generate(
-                    prompts=[prompt_ids[row] for row in rows], images=None, num_generations=1
-                )
-                for row, ids, row_logprobs in zip(rows, sampled, sampled_logprobs, strict=True):
-                    completion_ids[row], logprobs[row] = ids, row_logprobs
-        finally:
-            generation.max_completion_length = budget
-        return completion_ids, logprobs
-
-    def _generate(self, prompts):
-        # Under vLLM, each generation call of the tool loop records its turns' sampler log-probabilities
-        self._sampler_turns, self._tool_completions = [], None
-        prompt_ids, completion_ids, tool_mask, images, tool_images = super()._generate(prompts)
-        if self.use_vllm:
-            self._sampler_logps = assemble_sampler_logps(self._sampler_turns, tool_mask)
-        return prompt_ids, completion_ids, tool_mask, images, tool_images
-
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, images, multimodal_fields):
-        # The conversations (assistant turns with their tool calls, and tool results) go to the reward functions
-        result = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, images, multimodal_fields)
-        self._tool_completions = result[1]
-        return result
 
     def _generate_and_score_completions(self, inputs):
         # With several optimizer steps per rollout, pi_old must be frozen before the first update; otherwise the loss
