@@ -76,12 +76,22 @@ punctuation are cut otherwise (``" The answer"``: ``ĠThe``, ``Ġanswer`` agains
 Llama 3 does: every operand and every answer is one token (``133``; ``1234`` is ``123``, ``4``), one that covers the
 student's two or three answer digits, so it has each sum to learn as a whole: held-out k=4 0.98 (greedy 0.99) after
 7,000 steps (about 13 minutes on one core). ``python -m tvopd_trl.tiny.build --family cross-tokenizer`` rebuilds both.
+
+The tool-using pair (``checkpoints/tools``, ``tools_paths()``) does four-digit addition with a Python tool, ``add``
+(``tvopd_trl.tiny.tool_task``): the teacher calls ``add`` with the question's operands, reads the result and boxes it;
+the student, an earlier checkpoint of its run, copies operands wrongly, boxes another number than the result, or
+writes a call that does not parse. Their chat template renders tool calls (``<tool_call>{"name": "add", "arguments":
+...}</tool_call>``) and ``tool`` turns, and their tokenizers carry the response template TRL's tool loop parses the
+calls with; 2 heads of 32 and 128 positions, for vLLM. Held-out accuracy with the tool (k=4 / greedy): teacher 1.00 /
+1.00, student 0.33 / 0.59. Train with ``tools=[add]`` on ``tool_prompt_dataset("opd")`` (columns ``prompt`` and
+``solution``); ``python -m tvopd_trl.tiny.build --family tools`` rebuilds the pair (about 4.5 minutes, bit-identical).
 """
 
 import os
 
 from .accuracy import evaluate_accuracy, tiny_benchmark
 from .task import SKILLS, SPLITS, multi_skill_prompt_dataset, problems, prompt_dataset
+from .tool_task import prompt_dataset as tool_prompt_dataset
 
 
 CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints")
@@ -89,6 +99,7 @@ MULTI_TEACHER_DIR = os.path.join(CHECKPOINTS_DIR, "multi_teacher")
 LONG_ADDITION_DIR = os.path.join(CHECKPOINTS_DIR, "long_addition")
 VLLM_DIR = os.path.join(CHECKPOINTS_DIR, "vllm")
 CROSS_TOKENIZER_DIR = os.path.join(CHECKPOINTS_DIR, "cross_tokenizer")
+TOOLS_DIR = os.path.join(CHECKPOINTS_DIR, "tools")
 
 
 def teacher_path():
@@ -134,6 +145,13 @@ def cross_tokenizer_paths():
     return {teacher: os.path.join(CROSS_TOKENIZER_DIR, teacher) for teacher in ("digits", "triplets")}
 
 
+def tools_paths():
+    """Directories of the shipped tool-using pair (four-digit addition with an `add` tool, `tool_task`; heads of 32,
+    for vLLM's CPU attention; tokenizers that carry the response template of their tool calls):
+    `{"student": path, "teacher": path}`."""
+    return {member: os.path.join(TOOLS_DIR, member) for member in ("student", "teacher")}
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
     "CROSS_TOKENIZER_DIR",
@@ -151,6 +169,9 @@ __all__ = [
     "student_path",
     "teacher_path",
     "tiny_benchmark",
+    "tool_prompt_dataset",
+    "TOOLS_DIR",
+    "tools_paths",
     "VLLM_DIR",
     "vllm_paths",
     "weak_teacher_path",

@@ -79,6 +79,23 @@ three digits, as Llama 3 does, so that every operand and every sum is one token:
 whole, near misses (±1, ±2) first and the exact sum slowly, and needs 7,000 steps, decaying from step 200, without
 weight decay. Measured here (one core of the 2-core box, beside other jobs): digits 1.000 (k=4) / 1.000 (greedy), 261 s
 (187 s on a quieter box); triplets 0.976 / 0.994, 775 s.
+
+The tool-using pair (``--family tools``: ``DIR/student``, ``DIR/teacher``) does four-digit addition with an ``add``
+tool (``tool_task``): the vLLM-ready pair's model (2 heads of 32) with 128 positions, and a tokenizer of its own,
+trained on whole transcripts (``TOOL_CHATML``: ChatML with tool calls and ``tool`` turns, and the response template
+that reads the calls back, saved in ``tokenizer_config.json``), where every piece of the call's JSON is one token and a
+conversation takes 75-77 (prompt, call, tool result and answer). One run trains on the ``"sft"`` transcripts (loss on
+the two assistant turns only): AdamW as above, 50 warmup steps, constant to step 300, cosine decay to step 450. The
+model learns to copy the operands into the call and the result into the answer in a transition of about 20 steps,
+which a lower learning rate delays without widening, after a plateau near 0 whose training loss falls from 0.6 to
+0.2: once the loss is below 0.25, dev accuracy with the tool (one sample per problem) is evaluated every 2 steps, and
+the student is the last checkpoint at or below 0.4 (step 250 with the default seed: dev 0.37). Its held-out accuracy
+must lie in 0.25-0.6 (k=4) with mistakes of more than one kind, and the teacher's reach 0.95, or the build fails.
+``DIR/build.json`` holds each member's held-out accuracy with the tool (k=4 and greedy), calls per conversation,
+failed calls per call, mistakes by kind, and the longest reference transcript in tokens. Measured here: 263 s (246 to
+470 s from run to run on this shared box, the same pair each time); teacher 1.000 (k=4) / 1.000 (greedy), student
+0.326 / 0.586 (of its 1,348 wrong conversations at k=4, 1,201 called with wrong arguments, 106 boxed another number
+than the tool's result, 41 wrote a call that does not parse).
 """
 
 import argparse
@@ -96,7 +113,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from . import task
+from . import task, tool_task
 from .accuracy import evaluate_accuracy
 
 
@@ -129,6 +146,7 @@ class ChatFormat:
     spare_lines: tuple
     bos_token: str | None = None
     nfc: bool = False
+    response_template: dict | None = None  # transformers' response parser, for tool calls
 
 
 CHATML = ChatFormat(
@@ -247,8 +265,43 @@ CROSS_TOKENIZER_DEFAULTS = dict(
         ),
     ),
 )
+# The tool task (`tool_task`: four-digit addition with an `add` tool) with the vLLM-ready pair's model and 128 positions
+# (its transcripts are 75-77 tokens). The model learns to copy the operands into the call and the result into the
+# answer in a transition that takes 20 steps whatever the learning rate (with the default seed, held-out k=4 0.03 at
+# step 240, 0.33 at step 250, 0.80 at step 260; at lr 1.5e-3 the same 80 steps later), after a plateau near 0 whose
+# training loss falls from 0.6 to 0.2: dev accuracy is evaluated every 2 steps once the loss is below 0.25. The
+# student is the last checkpoint at or below 0.4 on dev, and must lie in `student_heldout_range` held out (k=4); the
+# decay from step 300 steadies the teacher, which must reach `teacher_min_heldout`.
+TOOLS_DEFAULTS = dict(
+    DEFAULTS,
+    weak_teacher=None,
+    num_heads=2,
+    skills=("tools",),
+    chat_format="chatml_tools",
+    vocab_size=320,  # the transcripts' pieces are all single tokens at 313 ids: the trainer stops there
+    max_position_embeddings=128,
+    max_new_tokens=tool_task.MAX_NEW_TOKENS,
+    warmup_steps=50,
+    constant_until=300,
+    total_steps=450,
+    transition_window=(100, 450),
+    checkpoint_every=2,
+    evaluate_below_loss=0.25,
+    student_max_dev_accuracy=0.4,
+    student_heldout_range=(0.25, 0.6),
+    teacher_min_heldout=0.95,
+)
+# ChatML with tool calls and tool turns (`tool_task.CHAT_TEMPLATE`) and the response template that reads the calls back,
+# its BPE trained on whole transcripts only, so that the call's JSON costs few tokens.
+TOOL_CHATML = dataclasses.replace(
+    CHATML,
+    chat_template=tool_task.CHAT_TEMPLATE,
+    corpus_lines=("user\n{question}\nassistant\n{call}\ntool\n{answer}\nassistant\n{response}\n",),
+    spare_lines=(),
+    response_template=tool_task.RESPONSE_TEMPLATE,
+)
 ARCHITECTURES = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
-CHAT_FORMATS = {"chatml": CHATML, "llama3": LLAMA3}
+CHAT_FORMATS = {"chatml": CHATML, "llama3": LLAMA3, "chatml_tools": TOOL_CHATML}
 
 
 def seed_everything(seed):
@@ -258,8 +311,11 @@ def seed_everything(seed):
     torch.use_deterministic_algorithms(True)
 
 
-def build_tokenizer(vocab_size=VOCAB_SIZE, pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, chat_format=CHATML):
-    """A byte-level BPE tokenizer of `vocab_size` ids trained on the task text with `chat_format`'s conventions; by
+def build_tokenizer(
+    vocab_size=VOCAB_SIZE, pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, chat_format=CHATML, corpus_problems=None
+):
+    """A byte-level BPE tokenizer of `vocab_size` ids trained on the task text (`corpus_problems`, by default the
+    `"sft"` split of addition, each row filling in `chat_format.corpus_lines`) with `chat_format`'s conventions; by
     default the embedded pair's: Qwen2-style (one token per digit), with ChatML markers."""
     tokenizer = Tokenizer(
         models.BPE(dropout=None, unk_token=None, continuing_subword_prefix="", end_of_word_suffix="")
@@ -273,11 +329,8 @@ def build_tokenizer(vocab_size=VOCAB_SIZE, pretokenize_regex=QWEN2_PRETOKENIZE_R
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    corpus = [
-        line.format(question=p["question"], response=p["response"])
-        for p in task.problems("sft")
-        for line in chat_format.corpus_lines
-    ]
+    corpus_problems = task.problems("sft") if corpus_problems is None else corpus_problems
+    corpus = [line.format(**p) for p in corpus_problems for line in chat_format.corpus_lines]
     corpus += [line for line in chat_format.spare_lines for _ in range(100)]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -306,6 +359,8 @@ def build_tokenizer(vocab_size=VOCAB_SIZE, pretokenize_regex=QWEN2_PRETOKENIZE_R
         **roles,
     )
     fast.chat_template = chat_format.chat_template
+    if chat_format.response_template is not None:
+        fast.response_template = chat_format.response_template
     return fast
 
 
@@ -352,6 +407,27 @@ def encode_sft(tokenizer, rows):
         response_ids = tokenizer(row["response"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
         sequences.append(prompt_ids + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)
+    return _pad_right(tokenizer, sequences, labels)
+
+
+def encode_transcripts(tokenizer, texts):
+    """`encode_sft` for whole conversations (rendered, each ended by its last EOS): loss on the assistant turns, each
+    through its EOS (`tool_task.assistant_spans`), not on the prompt, the turn headers or the tool results."""
+    pieces = [tool_task.assistant_spans(text, tokenizer.eos_token) for text in texts]
+    # One call for every piece: the pieces meet at special tokens and line breaks, where pre-tokenization cuts anyway.
+    encoded = iter(tokenizer([piece for row in pieces for piece, _ in row], add_special_tokens=False)["input_ids"])
+    sequences, labels = [], []
+    for row in pieces:
+        sequences.append([])
+        labels.append([])
+        for _, trained in row:
+            ids = next(encoded)
+            sequences[-1] += ids
+            labels[-1] += ids if trained else [-100] * len(ids)
+    return _pad_right(tokenizer, sequences, labels)
+
+
+def _pad_right(tokenizer, sequences, labels):
     length = max(map(len, sequences))
     input_ids = torch.full((len(sequences), length), tokenizer.pad_token_id)
     label_ids = torch.full((len(sequences), length), -100)
@@ -412,9 +488,22 @@ def train_steps(model, data, settings):
         yield step, loss.item()
 
 
-def search_student(model, tokenizer, settings, output_dir, keep_checkpoints, log, start, stop_at_student):
-    """Trains from scratch on the `"sft"` rows of `settings["skills"]`, evaluating each skill's `"dev"` accuracy every
-    `checkpoint_every` steps of the transition window: the student is the last checkpoint at or below
+def search_student(
+    model,
+    tokenizer,
+    settings,
+    output_dir,
+    keep_checkpoints,
+    log,
+    start,
+    stop_at_student,
+    data=None,
+    evaluate_dev=None,
+):
+    """Trains from scratch on the `"sft"` rows of `settings["skills"]` (or on `data`, from `sft_data` or
+    `encode_transcripts`), evaluating each skill's `"dev"` accuracy (with `evaluate_dev`, of `evaluate_accuracy`'s
+    signature, by default `evaluate_accuracy`) every `checkpoint_every` steps of the transition window (and with
+    `evaluate_below_loss`, at a training loss at or below it only): the student is the last checkpoint at or below
     `student_max_dev_accuracy` on every skill before the first one above it on any. With `settings["weak_teacher"]`,
     the evaluations go on after that, every `weak_teacher["every"]` steps with `weak_teacher["dev_samples"]` samples
     per problem, up to the first checkpoint whose dev accuracy reaches `weak_teacher["dev_accuracy"]`'s low end: the
@@ -428,8 +517,13 @@ def search_student(model, tokenizer, settings, output_dir, keep_checkpoints, log
     weak_found = {} if weak else None  # the weak teacher's state, step and dev accuracy once found
     history = []
     skills = settings["skills"]
-    for step, loss in train_steps(model, sft_data(tokenizer, skills), settings):
+    data = sft_data(tokenizer, skills) if data is None else data
+    evaluate_dev = evaluate_accuracy if evaluate_dev is None else evaluate_dev
+    for step, loss in train_steps(model, data, settings):
         in_window = window_start <= step <= window_end and step % settings["checkpoint_every"] == 0
+        # A transition too sharp for a coarse grid, where a fine one from the window's start would cost too many
+        # evaluations (the tool family's): with `evaluate_below_loss`, only once the training loss shows it began.
+        in_window = in_window and loss <= settings.get("evaluate_below_loss", math.inf)
         # After the student, up to the weak teacher: every `weak["every"]` steps (evaluations sample under a forked RNG,
         # so training is the same with them or without).
         weak_search = weak_found == {} and not searching and step % weak["every"] == 0 and step <= window_end
@@ -437,10 +531,7 @@ def search_student(model, tokenizer, settings, output_dir, keep_checkpoints, log
             in_window and (searching or (keep_checkpoints and (not history or history[-1]["dev"] < 0.8)))
         ):
             samples = weak["dev_samples"] if weak_search else settings["dev_samples"]
-            dev = {
-                skill: evaluate_accuracy(model, tokenizer, "dev", k=samples, seed=step, skill=skill)
-                for skill in skills
-            }
+            dev = {skill: evaluate_dev(model, tokenizer, "dev", k=samples, seed=step, skill=skill) for skill in skills}
             dev_accuracy = max(dev.values())
             history.append({"step": step, "loss": round(loss, 4), "dev": dev_accuracy})
             if samples != settings["dev_samples"]:
@@ -493,7 +584,7 @@ def heldout_report(model, tokenizer, skill="addition"):
     }
 
 
-def _start(settings):
+def _start(settings, corpus_problems=None):
     torch.set_num_threads(1)
     seed_everything(settings["seed"])
     # The default pair's settings predate these keys: its build.json records none.
@@ -501,6 +592,7 @@ def _start(settings):
         settings.get("vocab_size", VOCAB_SIZE),
         PRETOKENIZE_REGEXES[settings.get("numbers", "digits")],
         CHAT_FORMATS[settings.get("chat_format", "chatml")],
+        corpus_problems,
     )
     positions = settings.get("max_position_embeddings", 64)
     tokenizer.model_max_length = positions
@@ -511,7 +603,7 @@ def _start(settings):
         settings["num_heads"],
         settings["seed"],
         positions,
-        max(task.max_new_tokens(skill) for skill in settings["skills"]),
+        settings.get("max_new_tokens") or max(task.max_new_tokens(skill) for skill in settings["skills"]),
         ARCHITECTURES[settings.get("architecture", "qwen2")],
     )
     return tokenizer, model
@@ -662,25 +754,121 @@ def build_cross_tokenizer(output_dir, log=print, **overrides):
     return summary
 
 
+def _tool_dev_accuracy(model, tokenizer, split, k, seed, skill):
+    """`search_student`'s dev evaluation for the tool family (`skill` is its one skill, `"tools"`): accuracy with the
+    tool."""
+    return tool_task.evaluate_with_tool(model, tokenizer, split, k=k, seed=seed)["accuracy"]
+
+
+def tool_heldout_report(model, tokenizer):
+    """`heldout_report` with the tool: held-out accuracy (k=4 and greedy), and each one's call and failure
+    frequencies and mistakes by kind (`tool_task.evaluate_with_tool`)."""
+    reports = {
+        "k4": tool_task.evaluate_with_tool(model, tokenizer, "test", k=4, seed=0),
+        "greedy": tool_task.evaluate_with_tool(model, tokenizer, "test", greedy=True),
+    }
+    return {
+        **{name: report.pop("accuracy") for name, report in reports.items()},
+        "tools": reports,
+    }
+
+
+def build_tools(output_dir, keep_checkpoints=False, log=print, **overrides):
+    """Builds the tool-using pair (`tool_task`) into `output_dir` (`student/` and `teacher/`, one run as `build`'s
+    pair) and returns a summary dict (also written to `output_dir/build.json`): each member's held-out accuracy with
+    the tool, its tool-call and failure frequencies and its mistakes by kind, and the longest reference transcript in
+    tokens. Raises when the student's held-out accuracy leaves `student_heldout_range`, when its mistakes are all of one
+    kind, or when the teacher's is below `teacher_min_heldout`."""
+    settings = {**TOOLS_DEFAULTS, **overrides}
+    start = time.time()
+    rows = tool_task.problems("sft")
+    tokenizer, model = _start(settings, corpus_problems=rows)
+    texts = tool_task.transcript_texts(tokenizer, rows)
+    input_ids, attention_mask, labels = encode_transcripts(tokenizer, texts)
+    longest = int(attention_mask.sum(1).max())
+    if longest >= settings["max_position_embeddings"]:
+        raise RuntimeError(
+            f"Transcripts of {longest} tokens do not fit {settings['max_position_embeddings']} positions."
+        )
+    student_state, search = search_student(
+        model,
+        tokenizer,
+        settings,
+        output_dir,
+        keep_checkpoints,
+        log,
+        start,
+        stop_at_student=False,
+        data=(input_ids, attention_mask, labels, [len(rows)]),
+        evaluate_dev=_tool_dev_accuracy,
+    )
+
+    model.eval()
+    save_pair_member(model, tokenizer, os.path.join(output_dir, "teacher"))
+    teacher_report = tool_heldout_report(model, tokenizer)
+    model.load_state_dict(student_state)
+    save_pair_member(model, tokenizer, os.path.join(output_dir, "student"))
+    student_report = tool_heldout_report(model, tokenizer)
+    summary = _write_summary(
+        output_dir,
+        settings,
+        model,
+        start,
+        search,
+        longest_transcript_tokens=longest,
+        teacher_heldout=teacher_report,
+        student_heldout=student_report,
+    )
+    for member, step, report in (
+        ("teacher", settings["total_steps"], teacher_report),
+        ("student", search["student_step"], student_report),
+    ):
+        tools = report["tools"]["k4"]
+        log(
+            f"{member} (step {step}): held-out with the tool k=4 {report['k4']:.3f}, greedy {report['greedy']:.3f}; "
+            f"calls per conversation {tools['call_frequency']:.3f}, failed calls {tools['failure_frequency']:.3f}, "
+            f"mistakes {tools['mistakes']}"
+        )
+    log(f"longest transcript {longest} tokens; wall time {summary['wall_time_s']:.0f}s")
+    low, high = settings["student_heldout_range"]
+    kinds = sum(count > 0 for count in student_report["tools"]["k4"]["mistakes"].values())
+    if not low <= student_report["k4"] <= high or kinds < 2:
+        raise RuntimeError(
+            f"The student's held-out accuracy {student_report['k4']} is outside {low}-{high}, or its mistakes are of "
+            f"{kinds} kind(s): tune `student_max_dev_accuracy`."
+        )
+    if teacher_report["k4"] < settings["teacher_min_heldout"]:
+        raise RuntimeError(
+            f"The teacher's held-out accuracy {teacher_report['k4']} is below {settings['teacher_min_heldout']}: train "
+            "longer (`total_steps`)."
+        )
+    return summary
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument(
         "--family",
-        choices=("pair", "multi-teacher", "long-addition", "vllm", "cross-tokenizer"),
+        choices=("pair", "multi-teacher", "long-addition", "vllm", "cross-tokenizer", "tools"),
         default="pair",
         help="The default teacher/student pair, the multi-teacher family (a student and one teacher per skill), the "
         "long-completion pair (three-digit addition worked out column by column), the vLLM-ready pair (the default "
-        "one with heads of 32), or the cross-tokenizer teachers (Llama models with tokenizers of their own, for the "
-        "default student).",
+        "one with heads of 32), the cross-tokenizer teachers (Llama models with tokenizers of their own, for the "
+        "default student), or the tool-using pair (four-digit addition with an `add` tool).",
     )
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    parser.add_argument("--student-max-dev-accuracy", type=float, default=DEFAULTS["student_max_dev_accuracy"])
+    parser.add_argument(
+        "--student-max-dev-accuracy",
+        type=float,
+        help=f"The student's highest dev accuracy (default {DEFAULTS['student_max_dev_accuracy']}; tools "
+        f"{TOOLS_DEFAULTS['student_max_dev_accuracy']}).",
+    )
     parser.add_argument(
         "--total-steps",
         type=int,
-        help="Training steps: the pair's (default 1500; long-addition 800), the family's most for the student "
-        "search (multi-teacher, default 3000), or each cross-tokenizer teacher's.",
+        help="Training steps: the pair's (default 1500; long-addition 800; tools 450), the family's most for the "
+        "student search (multi-teacher, default 3000), or each cross-tokenizer teacher's.",
     )
     parser.add_argument(
         "--keep-checkpoints", action="store_true", help="Also save every checkpoint evaluated in the window."
@@ -688,13 +876,16 @@ def main():
     args = parser.parse_args()
     kwargs = {} if args.total_steps is None else {"total_steps": args.total_steps}
     if args.family != "cross-tokenizer":  # the only family without a student search
-        kwargs.update(keep_checkpoints=args.keep_checkpoints, student_max_dev_accuracy=args.student_max_dev_accuracy)
+        kwargs.update(keep_checkpoints=args.keep_checkpoints)
+        if args.student_max_dev_accuracy is not None:
+            kwargs.update(student_max_dev_accuracy=args.student_max_dev_accuracy)
     builders = {
         "pair": build,
         "multi-teacher": build_multi_teacher,
         "long-addition": functools.partial(build, defaults=LONG_ADDITION_DEFAULTS),
         "vllm": functools.partial(build, defaults=VLLM_DEFAULTS),
         "cross-tokenizer": build_cross_tokenizer,
+        "tools": build_tools,
     }
     builders[args.family](args.output_dir, seed=args.seed, log=lambda message: print(message, flush=True), **kwargs)
 
