@@ -228,13 +228,14 @@ def colocate_logs(output_dir):
     return logs
 
 
-def test_colocate_mode_in_one_process(tmp_path):
-    # In a process of its own: a colocated engine leaves torch.distributed and compiled graphs behind it, which break
-    # the next in-process engine (the evaluation's, tests/test_vllm_eval.py). Its process group needs a free port.
-    code = "import json, sys; from tests.test_vllm import colocate_logs; print(json.dumps(colocate_logs(sys.argv[1])))"
+def logs_in_own_process(module, function, output_dir):
+    """`tests.<module>.<function>(output_dir)`, JSON logs, run in a Python process of its own: a colocated engine leaves
+    torch.distributed and compiled graphs behind it, which break the next in-process engine (the evaluation's,
+    tests/test_vllm_eval.py). Its process group needs a free port."""
+    code = f"import json, sys; from tests.{module} import {function}; print(json.dumps({function}(sys.argv[1])))"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
+        [sys.executable, "-c", code, str(output_dir)],
         capture_output=True,
         text=True,
         env=env,
@@ -242,7 +243,11 @@ def test_colocate_mode_in_one_process(tmp_path):
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    logs = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_colocate_mode_in_one_process(tmp_path):
+    logs = logs_in_own_process("test_vllm", "colocate_logs", tmp_path)
     assert len(logs) == 3
     # vLLM serves a float32 checkpoint in bf16 unless told otherwise (TRL's colocated engine is): a real mismatch,
     # which the importance weights correct. If the weights were not reloaded after each step (lr 1e-2), the gap

@@ -7,11 +7,7 @@ ChatML template that renders tool calls and results. Run with the README's vLLM 
 """
 
 import importlib.util
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +18,12 @@ from trl.chat_template_utils import qwen3_template
 from trl.trainer.utils import pad
 
 from tvopd_trl.rewards import accuracy_reward
-from tvopd_trl.testing import LocalVLLMServer, free_port, tiny_config
+from tvopd_trl.testing import LocalVLLMServer, tiny_config
 from tvopd_trl.tiny import multi_skill_prompt_dataset, prompt_dataset, vllm_paths
 from tvopd_trl.tools import mask_runs
 from tvopd_trl.trainer import TVOPDTrainer
+
+from .test_vllm import logs_in_own_process
 
 
 pytestmark = [
@@ -329,22 +327,7 @@ def colocate_tool_logs(output_dir):
 
 
 def test_training_with_tools_on_colocated_rollouts(tmp_path):
-    # In a process of its own, as tests/test_vllm.py's colocate test (a colocated engine leaves state behind it)
-    code = (
-        "import json, sys; from tests.test_vllm_tools import colocate_tool_logs; "
-        "print(json.dumps(colocate_tool_logs(sys.argv[1])))"
-    )
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    logs = json.loads(result.stdout.strip().splitlines()[-1])
+    logs = logs_in_own_process("test_vllm_tools", "colocate_tool_logs", tmp_path)
     assert len(logs) == 3
     assert any(entry["tools/failure_frequency"] > 0 for entry in logs)
     for entry in logs:
