@@ -178,11 +178,12 @@ class RewardScoringMixin:
             ids[mask.bool()].tolist()
             for ids, mask in zip(batch["completion_ids"], batch["completion_mask"], strict=True)
         ]
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        conversational = is_conversational(prompts[0])
-        completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         if self._tool_completions is not None:  # with tools, the conversations, as GRPO passes them
             completions = self._tool_completions
+        else:
+            texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+            conversational = is_conversational(prompts[0])
+            completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         columns = {key: [row[key] for row in prompts] for key in prompts[0] if key not in ("prompt", "completion")}
         local = reward_table(
             self.reward_funcs,

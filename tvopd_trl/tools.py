@@ -22,16 +22,12 @@ the batch's order; a turn cut to fit `max_completion_length` is the row's last. 
 are its turns, in order, the last one possibly cut short (or cut to nothing).
 """
 
+import itertools
+
 
 def mask_runs(mask):
     """`[(value, length), ...]`: the runs of equal values of `mask`, in order."""
-    runs = []
-    for value in mask:
-        if runs and runs[-1][0] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([value, 1])
-    return [tuple(run) for run in runs]
+    return [(value, len(list(run))) for value, run in itertools.groupby(mask)]
 
 
 def turn_requests(lengths, max_tokens, context):
