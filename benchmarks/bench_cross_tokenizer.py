@@ -1,6 +1,7 @@
 """The alignment's share of a main-job step with a teacher of another family, and that step against the same-family one.
 
     cd benchmarks && OMP_NUM_THREADS=1 python bench_cross_tokenizer.py [--rounds 3] [--steps 6] [--teachers digits,triplets]
+    python benchmarks/bench_cross_tokenizer.py --device cuda --out DIR     # the models on a GPU, the alignment on CPU
 
 The main job's step (recipes/tiny/cross_tokenizer.yaml: 128 prompts, 8 completion tokens, the embedded student) is
 timed with the same-family teacher (the token path) and with each embedded teacher of another family
@@ -57,10 +58,11 @@ class AlignmentTimer(TrainerCallback):
             TokenizerAlignment.align_batch = original
 
 
-def run(teacher, steps, seed):
+def run(teacher, steps, seed, device):
     """Seconds of each step but the first, and the alignment's seconds in each of them."""
     args = tiny_config(
-        tempfile.mkdtemp(prefix="bench-cross-"),
+        use_cpu=device == "cpu",
+        output_dir=tempfile.mkdtemp(prefix="bench-cross-"),
         cross_tokenizer=True,
         per_device_train_batch_size=128,
         max_completion_length=8,
@@ -81,6 +83,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--teachers", default="digits,triplets", help="Embedded teachers of another family to time.")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the models run")
+    parser.add_argument("--out", help="folder of the results (default: results/ beside this script)")
     cli = parser.parse_args()
     torch.set_num_threads(1)
     other = cross_tokenizer_paths()
@@ -90,11 +94,12 @@ def main():
     aligned = dict.fromkeys(teachers, 0.0)
     for round_index in range(cli.rounds):
         for name, path in teachers.items():
-            seconds, alignment = run(path, cli.steps, seed=round_index)
+            seconds, alignment = run(path, cli.steps, seed=round_index, device=cli.device)
             steps[name] += seconds
             aligned[name] += sum(alignment)
     same = statistics.median(steps["same family (token path)"])
-    rows, results = [], {"machine": machine_info(), "rounds": cli.rounds, "steps": cli.steps, "teachers": {}}
+    machine = machine_info() | ({"gpu": torch.cuda.get_device_name(0)} if cli.device == "cuda" else {})
+    rows, results = [], {"machine": machine, "rounds": cli.rounds, "steps": cli.steps, "teachers": {}}
     for name, seconds in steps.items():
         median = statistics.median(seconds)
         share = aligned[name] / sum(seconds)
@@ -107,9 +112,8 @@ def main():
     )
     markdown = f"{table}\n\nTarget: the alignment at most 10% of the step.\n\n{machine_markdown(results['machine'])}"
     print(markdown)
-    write_outputs(
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "cross_tokenizer", results, markdown
-    )
+    out = cli.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    write_outputs(out, "cross_tokenizer", results, markdown)
 
 
 if __name__ == "__main__":

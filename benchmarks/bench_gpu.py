@@ -175,11 +175,12 @@ def rollout(shape, quick, cache_dir):
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
 
 
-def trainer_settings():
-    """Config overrides shared by every trainer: the recipe's precision, checkpointing and optimizer."""
+def trainer_settings(job):
+    """Config overrides shared by every trainer: the recipe's precision, checkpointing and optimizer; `--tf32` lets
+    float32 matmuls (the float32 LM head of the sampled-token path, a float32 student outside autocast) use TF32."""
     settings = {"gradient_checkpointing": True, "optim": "adamw_torch"}
     if cuda():
-        settings.update(use_cpu=False, bf16=True)
+        settings.update(use_cpu=False, bf16=True, tf32=job.get("tf32", False))
     return settings
 
 
@@ -204,7 +205,7 @@ def measure_run(name, shape, data, job, callbacks=(), overrides=None):
         models = build_pair(shape, job["student_dtype"], job["teacher_dtype"])
         n_matmul = sum(p.numel() for p in models[0].model.layers.parameters() if p.dim() == 2)
         assert n_matmul == block_matmul_params(asdict(shape)), (n_matmul, block_matmul_params(asdict(shape)))
-        config = {**trainer_settings(), **overrides}
+        config = {**trainer_settings(job), **overrides}
         trainer = common.build_trainer(
             kind, shape, data, job["steps"], common.scratch_dir(name), config_overrides=config, models=models
         )
@@ -392,7 +393,7 @@ def common_root():
 
 
 def job_settings(job):
-    return {key: job[key] for key in ("steps", "student_dtype", "teacher_dtype")}
+    return {key: job[key] for key in ("steps", "student_dtype", "teacher_dtype", "tf32")}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -451,7 +452,7 @@ def estimate(config, cli, peak_tflops):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def gpu_info(peak_override):
+def gpu_info(peak_override, tf32=False):
     if not cuda():
         return {"device": "cpu", "bf16_peak_tflops": peak_override}
     props = torch.cuda.get_device_properties(0)
@@ -468,7 +469,7 @@ def gpu_info(peak_override):
         "driver": driver,
         "cuda_runtime": torch.version.cuda,
         "bf16_peak_tflops": bf16_peak_tflops(name, peak_override),
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_matmul": tf32,
     }
     for package in ("triton", "deepspeed", "accelerate"):
         try:
@@ -641,6 +642,11 @@ def parse_args():
     )
     parser.add_argument("--teacher-dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: from its name)")
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="tf32=True for every trainer (default: tf32=False for every trainer, TVOPDConfig's GPU default included)",
+    )
     parser.add_argument("--long", action="store_true", help="also T = 16,384 (last, if time allows)")
     parser.add_argument("--generation", action="store_true", help="transformers generate tokens/s of the student")
     parser.add_argument("--packing", action="store_true", help="padded against padding_free at the largest T")
@@ -682,9 +688,15 @@ def main():
         print("no CUDA device: the full grid needs one (use --quick on CPU)", file=sys.stderr)
         sys.exit(2)
     out, cache_dir, started, info = common.start(cli)
-    gpu = gpu_info(cli.peak_tflops)
+    gpu = gpu_info(cli.peak_tflops, cli.tf32)
     print("## GPU\n\n" + common.machine_markdown(gpu) + "\n", flush=True)
-    job = {"steps": config["steps"], "student_dtype": None, "teacher_dtype": cli.teacher_dtype, "quick": cli.quick}
+    job = {
+        "steps": config["steps"],
+        "student_dtype": None,
+        "teacher_dtype": cli.teacher_dtype,
+        "tf32": cli.tf32,
+        "quick": cli.quick,
+    }
     results, extras = [], {"skipped": []}
 
     def save():

@@ -571,6 +571,24 @@ def test_config_defaults(tmp_path):
     assert (clip.advantage_clip_low, clip.advantage_clip_high) == (-5.0, 5.0)
 
 
+@pytest.mark.parametrize(("tf32", "expected"), [(None, True), (False, False), (True, True)])
+def test_tf32_defaults_to_on_where_the_gpu_has_it(monkeypatch, tmp_path, tf32, expected):
+    """The float32 LM head without TF32 took half of an H200 step (docs/performance.md, section 8): unset `tf32`
+    becomes True on a TF32-capable GPU (faked here: this machine has none), and the user's own value stays."""
+    import transformers.training_args as training_args
+
+    from tvopd_trl import config
+
+    enabled = []
+    monkeypatch.setattr(config, "is_torch_tf32_available", lambda: True)
+    monkeypatch.setattr(training_args, "is_torch_tf32_available", lambda: True)
+    monkeypatch.setattr(training_args, "enable_tf32", enabled.append)
+    args = TVOPDConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, tf32=tf32)
+    assert args.tf32 is expected and enabled == [expected]
+    monkeypatch.setattr(config, "is_torch_tf32_available", lambda: False)
+    assert TVOPDConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).tf32 is None  # a CPU: left as it is
+
+
 @pytest.mark.parametrize("per_device_train_batch_size", [4, 1])  # the rollout's 4 rows in one chunk, or in 4
 def test_vopd_uses_the_exact_reverse_kl(make_trainer, tmp_path, per_device_train_batch_size):
     batches = {

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers.utils import is_torch_tf32_available
 from trl import DistillationConfig
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES
@@ -35,6 +36,9 @@ class TVOPDConfig(DistillationConfig):
 
     Extends [`~trl.DistillationConfig`] with the parameters of sampled-token on-policy distillation (OPD) and of
     TV-Regulated OPD (TV-OPD). The inherited `beta` (the generalized-JSD mix of the base trainer) plays no part here.
+    One inherited default differs: `tf32` left unset means TF32 matmuls on a GPU that has them. The trainer projects
+    the LM head in float32 (so that bf16 rounding never decides sign(delta)), and without TF32 that projection took
+    half of a step on an H200 (docs/performance.md, section 8). Set `tf32=False` to keep IEEE float32 matmuls.
 
     Parameters:
         > Parameters that control the advantage
@@ -467,6 +471,8 @@ class TVOPDConfig(DistillationConfig):
         ):
             if hasattr(self, new) and getattr(self, new) is None:
                 setattr(self, new, getattr(self, old))
+        if self.tf32 is None and is_torch_tf32_available():
+            self.tf32 = True
         super().__post_init__()
         # transformers parses only JSON objects (`_VALID_DICT_FIELDS`): a pool of replicas comes as a JSON list
         if isinstance(self.teacher_model_server_url, str) and self.teacher_model_server_url.startswith("["):
