@@ -73,7 +73,13 @@ def test_every_tiny_recipe_parses_into_its_mode():
     expected = {"clip": "clip", "power": "power", "raw": "raw", "sign": "sign", "tvopd": "tv", "vopd": "vopd"}
     long = {f"long_{name}": mode for name, mode in LONG_MODES.items()}
     weak = {"weak_tvopd": "tv", "weak_tvopd_reward": "tv", "weak_reward_only": "tv", "weak_raw_reward": "raw"}
-    others = {"multi_teacher": "tv", "vllm_server": "tv", "cross_tokenizer": "tv"}
+    others = {
+        "multi_teacher": "tv",
+        "vllm_server": "tv",
+        "cross_tokenizer": "tv",
+        "tools": "tv",
+        "tools_vllm_server": "tv",
+    }
     assert modes == {**expected, **others, **long, **weak}
 
 
@@ -108,6 +114,36 @@ def test_console_command_launches_through_accelerate(tmp_path):
 def test_a_custom_run_must_name_what_the_embedded_default_cannot_stand_in_for(flags, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         run(["--config", str(RECIPES / "tvopd.yaml"), "--output_dir", str(tmp_path), *flags])
+
+
+def test_the_tool_job_trains_with_the_tool_and_reports_how_often_the_student_calls_it(tmp_path):
+    run(["--config", str(RECIPES / "tools.yaml"), "--output_dir", str(tmp_path), *SHORT])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["teacher_accuracy"] == 1.0 and summary["steps"] == 4
+    for when in ("before", "after"):  # every conversation of the evaluation, at mean@k: calls per conversation
+        assert 0.5 <= summary[f"tool_call_frequency_{when}"] <= 2
+        assert 0 <= summary[f"tool_failure_frequency_{when}"] <= 1
+    saved = json.loads((tmp_path / "eval" / "mean@2" / "step-4" / "results.json").read_text())
+    assert saved["benchmarks"]["tiny-tools"]["tools"]["call_frequency"] == summary["tool_call_frequency_after"]
+    assert saved["benchmarks"]["tiny-tools"]["mean@2"] == summary["student_accuracy_after"]
+    history = json.loads((tmp_path / "log_history.json").read_text())
+    assert all(entry["tools/call_frequency"] > 0 for entry in history if "loss" in entry)  # TRL's loop ran
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--max_completion_length", "32"],
+            r"`max_completion_length` 32 would cut them. Set `max_completion_length` to 64",
+        ),
+        (["--eval_max_new_tokens", "16"], r"`eval_max_new_tokens` 16 would cut them"),
+        (["--eval_benchmark", "tiny"], r"set `eval_benchmark: tiny-tools`"),
+    ],
+)
+def test_the_tool_job_refuses_budgets_that_cut_its_conversations(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        run(["--config", str(RECIPES / "tools.yaml"), "--output_dir", str(tmp_path), *flags])
 
 
 def test_recipe_keys_for_accelerate_do_not_break_the_script(tmp_path):

@@ -111,7 +111,7 @@ def test_eval_takes_the_adapter_merged_into_its_base_model(lora_run, tmp_path):
     from tvopd_trl.scripts.evaluate import _generator
 
     args = SimpleNamespace(backend="auto", dtype="auto", batch_size=8)
-    merged = _generator(args, str(lora_run)).model
+    merged = _generator(args, str(lora_run), []).model
     base = AutoModelForCausalLM.from_pretrained(tiny.student_path())
     assert not any("lora_" in name for name, _ in merged.named_parameters())
     weight = "model.layers.0.self_attn.q_proj.weight"
@@ -128,7 +128,7 @@ def test_the_vllm_backend_refuses_an_adapter_with_the_fix(lora_run):
     from tvopd_trl.scripts.evaluate import _generator
 
     with pytest.raises(ValueError, match="is a LoRA adapter.*--backend transformers"):
-        _generator(SimpleNamespace(backend="vllm", dtype="auto", batch_size=8), str(lora_run))
+        _generator(SimpleNamespace(backend="vllm", dtype="auto", batch_size=8), str(lora_run), [])
 
 
 def test_push_uploads_the_adapter(lora_run):

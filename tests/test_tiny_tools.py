@@ -155,3 +155,31 @@ def test_the_prompt_dataset_has_disjoint_splits_of_chat_prompts_and_solutions():
     splits = {split: {(p["a"], p["b"]) for p in tool_task.problems(split)} for split in ("test", "dev", "opd", "sft")}
     assert [len(pairs) for pairs in splits.values()] == [500, 500, 2000, 20_000]
     assert len(set.union(*splits.values())) == sum(map(len, splits.values()))
+
+
+def test_the_tiny_tools_benchmark_scores_as_the_build_does(pair, tmp_path):
+    """`tvopd-trl eval --benchmarks tiny-tools`, the main job and the callback answer through `ToolLoopGenerator`:
+    the same conversations, grades and tool frequencies as the build's `evaluate_with_tool`."""
+    from tvopd_trl.eval import SamplingSettings, evaluate, get_benchmark, local_generator
+
+    model, tokenizer = pair["student"]
+    generator = local_generator([get_benchmark("tiny-tools")], model, tokenizer, batch_size=512)
+    assert isinstance(generator, tool_task.ToolLoopGenerator)
+    settings = SamplingSettings(k=2, max_new_tokens=tool_task.MAX_NEW_TOKENS)
+    results = evaluate(generator, ["tiny-tools"], settings, tmp_path, limit=40)
+    expected = tool_task.evaluate_with_tool(model, tokenizer, k=2, n=40)
+    scores = results["benchmarks"]["tiny-tools"]
+    assert 0 < scores["mean@2"] == expected["accuracy"] < 1
+    assert scores["tools"] == {key: expected[key] for key in ("call_frequency", "failure_frequency")}
+    assert json.loads((tmp_path / "results.json").read_text())["benchmarks"]["tiny-tools"]["tools"] == scores["tools"]
+
+
+def test_the_tool_loop_generator_refuses_a_shard_and_a_mix_with_plain_benchmarks(pair):
+    from tvopd_trl.eval import SamplingSettings, TransformersGenerator, get_benchmark, local_generator
+
+    model, tokenizer = pair["student"]
+    with pytest.raises(ValueError, match="evaluated in one process"):
+        tool_task.ToolLoopGenerator(model, tokenizer)([QUESTION], SamplingSettings(k=1), shard=(0, 2))
+    with pytest.raises(ValueError, match="answered in different ways"):
+        local_generator([get_benchmark("tiny"), get_benchmark("tiny-tools")], model, tokenizer)
+    assert isinstance(local_generator([get_benchmark("tiny")], model, tokenizer), TransformersGenerator)

@@ -28,19 +28,20 @@ from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser
 
 from .console import OneLineErrors
-from .eval import SamplingSettings, TransformersGenerator, evaluate, get_benchmark, load_problems, mean_at_k
+from .eval import SamplingSettings, evaluate, get_benchmark, load_problems, local_generator, mean_at_k
 from .eval.generation import PAPER_TEMPERATURE, PAPER_TOP_K, PAPER_TOP_P
 from .packaged_recipes import find_recipe
 
 
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
-EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm")
+EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm", "tools")
 # The held-out splits that grade each embedded task (`eval_benchmark`)
 EMBEDDED_BENCHMARKS = {
     "addition": "tiny",
     "multi_teacher": "tiny,tiny-subtraction",
     "long_addition": "tiny-long-addition",
     "addition_vllm": "tiny",
+    "tools": "tiny-tools",
 }
 # `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
 WEAK_TEACHER = "weak"
@@ -73,8 +74,10 @@ class MainJobArguments:
             skill, the prompts of both skills routed to their teacher) or `"long_addition"` (three-digit addition
             worked out column by column: 45-49-token completions, so `max_completion_length` and
             `eval_max_new_tokens` of at least 64) or `"addition_vllm"` (the tiny pair's task on the vLLM-ready pair,
-            whose heads vLLM's CPU attention serves). Its held-out splits are `eval_benchmark`'s: `tiny`,
-            `tiny,tiny-subtraction`, `tiny-long-addition` and `tiny`.
+            whose heads vLLM's CPU attention serves) or `"tools"` (four-digit addition with an `add` tool: the
+            student learns to call it and to answer with its result, docs/tools.md; `max_completion_length` of at
+            least 64, `eval_max_new_tokens` of at least 40 per turn). Its held-out splits are `eval_benchmark`'s:
+            `tiny`, `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny` and `tiny-tools`.
         embedded_teacher (`str`, *optional*):
             An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
             imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
@@ -98,7 +101,7 @@ class MainJobArguments:
             routing of several teachers) is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
-            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction` and `tiny-long-addition`) or a JSONL file
+            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction`, `tiny-long-addition` and `tiny-tools`) or a JSONL file
             with `id`, `problem` and `answer` fields. Several, comma-separated, are evaluated each (per skill in the
             summary) and averaged.
         eval_data_dir (`str`, *optional*):
@@ -285,8 +288,13 @@ def load_job(job_args, training_args, model_args):
     task = job_args.embedded_task
     if task == "multi_teacher":
         family = tiny.multi_teacher_paths()
-    elif task in ("long_addition", "addition_vllm"):
-        paths = tiny.long_addition_paths() if task == "long_addition" else tiny.vllm_paths()
+    elif task in ("long_addition", "addition_vllm", "tools"):
+        paths = {
+            "long_addition": tiny.long_addition_paths,
+            "addition_vllm": tiny.vllm_paths,
+            "tools": tiny.tools_paths,
+        }
+        paths = paths[task]()
         family = {"student": paths["student"], "teachers": paths["teacher"]}
     else:
         family = {"student": tiny.student_path(), "teachers": tiny.teacher_path()}
@@ -313,12 +321,29 @@ def load_job(job_args, training_args, model_args):
     if job_args.dataset_name is None:
         if task == "multi_teacher":
             train_dataset = tiny.multi_skill_prompt_dataset("opd")
+        elif task == "tools":
+            train_dataset = tiny.tool_prompt_dataset("opd")
         else:
             train_dataset = tiny.prompt_dataset("opd", skill="addition" if task == "addition_vllm" else task)
     else:
         train_dataset = _load_dataset(job_args.dataset_name, job_args.dataset_config, job_args.dataset_train_split)
         train_dataset = to_prompt_dataset(train_dataset, job_args.dataset_prompt_column)
     return student_path, teacher_path, tokenizer, train_dataset
+
+
+def embedded_tools(job_args):
+    """The tools the embedded task's student may call (`embedded_task: tools`: `add`), else None."""
+    if job_args.embedded_task != "tools":
+        return None
+    from .tiny.tool_task import TOOLS
+
+    return TOOLS
+
+
+def tool_frequencies_of(results, names):
+    """The `tools/*` frequencies that a tool loop's evaluation recorded (`results["benchmarks"][name]["tools"]`) for
+    the first of `names` that has them, or None."""
+    return next((results["benchmarks"][n]["tools"] for n in names if "tools" in results["benchmarks"][n]), None)
 
 
 class Accuracy:
@@ -337,6 +362,7 @@ class Accuracy:
         self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
         self.names = [name.strip() for name in job_args.eval_benchmark.split(",")]  # registered names or JSONL files
         self.benchmarks = [get_benchmark(name) for name in self.names]
+        self.tools = None  # the last evaluation's tool-call frequencies (`tool_frequencies_of`), with a tool loop
         for name in self.names:
             load_problems(name, **self.options)  # a bad name or file fails before any training
 
@@ -348,7 +374,7 @@ class Accuracy:
         settings = (
             SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
         )
-        generator = TransformersGenerator(model, tokenizer or self.tokenizer, self.job_args.eval_batch_size)
+        generator = local_generator(self.benchmarks, model, tokenizer or self.tokenizer, self.job_args.eval_batch_size)
         results = evaluate(
             generator,
             self.benchmarks,
@@ -359,7 +385,9 @@ class Accuracy:
             **self.options,
         )
         # Only the job's benchmarks: `results` also holds those an earlier evaluation left in `output_dir`.
-        return {benchmark.name: mean_at_k(results["benchmarks"][benchmark.name]) for benchmark in self.benchmarks}
+        names = [benchmark.name for benchmark in self.benchmarks]
+        self.tools = tool_frequencies_of(results, names)
+        return {name: mean_at_k(results["benchmarks"][name]) for name in names}
 
     def __call__(self, model, greedy=False, output_dir=None, model_id=None, accelerator=None):
         """The mean over the benchmarks of `scores`."""
@@ -405,30 +433,43 @@ def check_job_arguments(job_args, training_args, model_args):
             "file with id, problem and answer fields): the default, the embedded addition task, says nothing about "
             "your model. Or pass `--eval_problems 0`."
         )
-    if job_args.embedded_task == "long_addition" and not custom:
-        check_long_addition_budget(job_args, training_args)
+    if job_args.embedded_task in EMBEDDED_BUDGETS and not custom:
+        check_embedded_budget(job_args, training_args)
 
 
-def check_long_addition_budget(job_args, training_args):
-    """The long-completion task's traces need their whole generation budget, and its own held-out split: a shorter
-    budget cuts every trace before its answer, and the default benchmark grades another skill."""
-    from .tiny.task import max_new_tokens
+# The embedded tasks whose completions need more than the job's default budgets: (what a completion holds, the least
+# `max_completion_length`, the least `eval_max_new_tokens` (per turn with tools), the recipe that sets them).
+EMBEDDED_BUDGETS = {
+    "long_addition": ("column traces of 45-49 tokens (with the EOS) before the answer", 64, 64, "long_tvopd"),
+    "tools": ("a calling turn of 33 tokens, the tool's result and an answering turn: 55-57 tokens", 64, 40, "tools"),
+}
 
-    budget = max_new_tokens("long_addition")
-    short = {"max_completion_length": training_args.max_completion_length}
+
+def check_embedded_budget(job_args, training_args):
+    """A task of `EMBEDDED_BUDGETS` needs its whole generation budget, and its own held-out split: a shorter budget
+    cuts every completion before its answer, and the default benchmark grades another skill."""
+    task = job_args.embedded_task
+    holds, completion, per_response, recipe = EMBEDDED_BUDGETS[task]
+    short = {"max_completion_length": (training_args.max_completion_length, completion)}
     if job_args.eval_problems > 0:
-        short["eval_max_new_tokens"] = job_args.eval_max_new_tokens
-    short = {key: value for key, value in short.items() if value is not None and value < budget}
+        short["eval_max_new_tokens"] = (job_args.eval_max_new_tokens, per_response)
+    short = {key: pair for key, pair in short.items() if pair[0] is not None and pair[0] < pair[1]}
     if short:
-        keys = ", ".join(f"`{key}` {value}" for key, value in short.items())
+        keys = ", ".join(f"`{key}` {value}" for key, (value, _) in short.items())
+        least = ", ".join(f"`{key}` to {least}" for key, (_, least) in short.items())
         raise ValueError(
-            "`embedded_task: long_addition` writes column traces of 45-49 tokens (with the EOS) before the answer: "
-            f"{keys} would cut them. Set them to {budget} (recipes/tiny/long_tvopd.yaml)."
+            f"`embedded_task: {task}` writes {holds}: {keys} would cut them. Set {least} (recipes/tiny/{recipe}.yaml)."
         )
     if job_args.eval_problems > 0 and job_args.eval_benchmark == EMBEDDED_BENCHMARKS["addition"]:
         raise ValueError(
-            "`embedded_task: long_addition` is graded on its own held-out split: set `eval_benchmark: "
-            f"{EMBEDDED_BENCHMARKS['long_addition']}` (the default, `tiny`, is two-digit addition's)."
+            f"`embedded_task: {task}` is graded on its own held-out split: set `eval_benchmark: "
+            f"{EMBEDDED_BENCHMARKS[task]}` (the default, `tiny`, is two-digit addition's)."
+        )
+    if task == "tools" and job_args.eval_problems > 0 and training_args.world_size > 1:
+        raise ValueError(
+            "The embedded tool task is evaluated in one process (its tool loop's turns are not collectives): run it "
+            "on one process, or set `eval_problems: 0` and score the saved model with `tvopd-trl eval --benchmarks "
+            "tiny-tools`."
         )
 
 

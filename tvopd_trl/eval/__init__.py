@@ -53,6 +53,7 @@ _LAZY = {
     "SamplingSettings": "generation",
     "TransformersGenerator": "generation",
     "VLLMGenerator": "generation",
+    "local_generator": "generation",
 }
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "best_over_training",
     "evaluate",
     "get_benchmark",
+    "local_generator",
     "grade",
     "grade_answer",
     "grade_responses",

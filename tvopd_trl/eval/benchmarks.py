@@ -47,7 +47,9 @@ class Benchmark:
 
     `hub_fields` maps our fields (`id`, `problem`, `answer`) to the Hub dataset's columns; an `id` mapped to `None`
     numbers the rows. `loader`, if set, returns the problems itself (the embedded tiny task). `prompt_template` turns
-    a problem into the user turn: `{problem}` is replaced by the problem text (other braces are literal)."""
+    a problem into the user turn: `{problem}` is replaced by the problem text (other braces are literal).
+    `generator`, if set, answers the benchmark instead of plain generation: `generator(model, tokenizer, batch_size)`
+    returns a generator with [`TransformersGenerator`]'s call (the embedded tool task's tool loop)."""
 
     name: str
     title: str
@@ -57,6 +59,7 @@ class Benchmark:
     path: str | None = None
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     loader: Callable[[], list] | None = None
+    generator: Callable | None = None
 
     def prompt(self, problem, template=None):
         """The chat messages (one user turn) that pose `problem`."""
@@ -134,6 +137,7 @@ BENCHMARKS = BenchmarkRegistry(
         "tiny": "tvopd_trl.tiny:tiny_benchmark",
         "tiny-subtraction": "tvopd_trl.tiny.accuracy:tiny_subtraction_benchmark",
         "tiny-long-addition": "tvopd_trl.tiny.accuracy:tiny_long_addition_benchmark",
+        "tiny-tools": "tvopd_trl.tiny.tool_task:tiny_tools_benchmark",
     }
 )
 

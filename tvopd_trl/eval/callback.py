@@ -26,7 +26,7 @@ from trl.models.utils import unwrap_model_for_generation
 from .accuracy import mean_at_k
 from .benchmarks import get_benchmark, load_problems
 from .evaluate import evaluate, evaluated_steps, step_dir
-from .generation import SamplingSettings, TransformersGenerator
+from .generation import SamplingSettings, local_generator
 from .grading import DEFAULT_TIMEOUT_SECONDS
 
 
@@ -108,7 +108,7 @@ class BenchmarkEvalCallback(TrainerCallback):
         trainer = self.trainer
         with generation_model(trainer) as model:
             results = evaluate(
-                TransformersGenerator(model, trainer.processing_class, batch_size=self.batch_size),
+                local_generator(self.benchmarks, model, trainer.processing_class, self.batch_size),
                 self.benchmarks,
                 self.settings,
                 step_dir(args.output_dir, state.global_step, self.settings.k),

@@ -110,6 +110,8 @@ def evaluate(
         scores["timeouts"] = statuses.count(TIMEOUT)
         scores["invalid_gold"] = statuses.count(INVALID_GOLD)
         scores["seconds"] = time.perf_counter() - start
+        if getattr(generator, "stats", None) is not None:  # a tool loop's `tools/*` frequencies
+            scores["tools"] = generator.stats
         results["benchmarks"][benchmark.name] = scores
         if writes:
             with open(os.path.join(output_dir, f"{benchmark.name}.jsonl"), "w", encoding="utf-8") as f:

@@ -134,6 +134,18 @@ class TransformersGenerator:
         return [responses * settings.k for responses in outputs] if greedy else outputs
 
 
+def local_generator(benchmarks, model, tokenizer, batch_size=64):
+    """The generator that answers `benchmarks` with `model` in this process: their own (`Benchmark.generator`, the
+    embedded tool task's tool loop) when they name one, else a [`TransformersGenerator`]. Benchmarks answered in
+    different ways are evaluated apart."""
+    factories = {benchmark.generator for benchmark in benchmarks}
+    if len(factories) > 1:
+        names = ", ".join(benchmark.name for benchmark in benchmarks)
+        raise ValueError(f"The benchmarks {names} are answered in different ways (tools or not): evaluate them apart.")
+    factory = factories.pop() if factories else None
+    return (factory or TransformersGenerator)(model, tokenizer, batch_size)
+
+
 class VLLMGenerator:
     """vLLM's offline engine: one `LLM.generate` call with `SamplingParams(n=k, ...)` for all prompts, on token ids.
 

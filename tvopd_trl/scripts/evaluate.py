@@ -122,11 +122,11 @@ def checkpoints(run_dir):
     return dict(sorted(found.items()))
 
 
-def _generator(args, model_path):
+def _generator(args, model_path, benchmarks):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..eval import TransformersGenerator, VLLMGenerator
+    from ..eval import VLLMGenerator, local_generator
     from ..job import check_model_source
 
     check_model_source(model_path, "--model")
@@ -137,8 +137,13 @@ def _generator(args, model_path):
         import importlib.util
 
         vllm = importlib.util.find_spec("vllm") and torch.cuda.is_available() and not adapter
-        backend = "vllm" if vllm else "transformers"
+        backend = "vllm" if vllm and not any(benchmark.generator for benchmark in benchmarks) else "transformers"
     if backend == "vllm":
+        if any(benchmark.generator for benchmark in benchmarks):
+            raise ValueError(
+                f"{', '.join(b.name for b in benchmarks if b.generator)} is answered through a tool loop, which runs "
+                "on the transformers backend: set `--backend transformers`."
+            )
         if adapter:
             raise ValueError(
                 f"{model_path} is a LoRA adapter, which the vllm backend does not load: evaluate it with `--backend "
@@ -162,7 +167,9 @@ def _generator(args, model_path):
         model = AutoPeftModelForCausalLM.from_pretrained(model_path, dtype=args.dtype).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
-    return TransformersGenerator(model.to("cuda" if torch.cuda.is_available() else "cpu"), tokenizer, args.batch_size)
+    return local_generator(
+        benchmarks, model.to("cuda" if torch.cuda.is_available() else "cpu"), tokenizer, args.batch_size
+    )
 
 
 def results_table(results):
@@ -240,7 +247,7 @@ def main(args):
             print(f"{model_path}: {', '.join(names)} already evaluated in {output_dir}")
             all_results.append(read_results(output_dir))
             continue
-        generator = _generator(args, model_path)
+        generator = _generator(args, model_path, [get_benchmark(name) for name in todo[output_dir]])
         results = evaluate(generator, todo[output_dir], settings, output_dir, model=model_id, **options)
         table = results_table(results)
         with open(os.path.join(output_dir, "table.md"), "w") as f:

@@ -42,8 +42,10 @@ from ..job import (
     apply_model_config,
     check_job_arguments,
     check_launch_options,
+    embedded_tools,
     job_parser,
     load_job,
+    tool_frequencies_of,
 )
 
 
@@ -79,6 +81,7 @@ def main(job_args, training_args, model_args):
         train_dataset=train_dataset,
         processing_class=tokenizer,
         teacher_processing_class=_teacher_tokenizers(teacher_path, training_args.trust_remote_code),
+        tools=embedded_tools(job_args),
         **model_options,
     )
     trainer.dataset_name = job_args.dataset_name  # for the model card
@@ -102,6 +105,7 @@ def main(job_args, training_args, model_args):
         os.rename(f"{out}/eval", kept)
         print(f"{out}/eval held an earlier run's evaluations: moved to {kept}")
     scores = {}  # "student_accuracy_before", ..., "teacher_accuracy" -> {benchmark: accuracy}
+    tools = {}  # "before" / "after" -> the student's tool-call frequencies at mean@k, with a tool loop
     teacher_scores = {}  # teacher name -> {benchmark: accuracy}
     # Every process evaluates, each a shard of the responses: a model sharded by ZeRO-3 or FSDP generates on all of them.
     sharded = dict(accelerator=trainer.accelerator)
@@ -131,6 +135,7 @@ def main(job_args, training_args, model_args):
             scores["student_accuracy_before"] = accuracy.scores(
                 student, output_dir=step_dir(out, 0, job_args.eval_k), model_id=os.path.abspath(out), **sharded
             )
+            tools["before"] = accuracy.tools
             scores["student_accuracy_before_greedy"] = accuracy.scores(student, greedy=True, **sharded)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
@@ -148,6 +153,9 @@ def main(job_args, training_args, model_args):
         with generation_model(trainer) as student:  # the trainer wrapped the student in `train`
             if final_step in evaluated:
                 scores["student_accuracy_after"] = evaluated[final_step]
+                tools["after"] = tool_frequencies_of(
+                    dict(curve.history)[final_step], [benchmark.name for benchmark in accuracy.benchmarks]
+                )
             else:
                 scores["student_accuracy_after"] = accuracy.scores(
                     student,
@@ -156,6 +164,7 @@ def main(job_args, training_args, model_args):
                     **sharded,
                 )
                 curves.append((final_step, scores["student_accuracy_after"]))
+                tools["after"] = accuracy.tools
             scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True, **sharded)
     if state.is_main_process:
         if "student_accuracy_before" in scores:
@@ -175,6 +184,12 @@ def main(job_args, training_args, model_args):
             # Several benchmarks (the multi-teacher task's skills): each one's accuracies and gap
             **({"skills": _skills(scores)} if accuracy is not None and len(accuracy.benchmarks) > 1 else {}),
             **({"teachers": teacher_scores} if len(trainer.teachers) > 1 else {}),
+            **{
+                f"tool_{kind}_{when}": frequencies[kind]
+                for when, frequencies in tools.items()
+                if frequencies is not None
+                for kind in ("call_frequency", "failure_frequency")
+            },
             "final_tv_scale": last.get("tv/scale"),
             **({"final_tv_scales": scales} if len(scales) > 1 else {}),
             "final_tv_estimate": last.get("tv/estimate"),
@@ -254,6 +269,9 @@ def _summary_table(summary):
     for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
         table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
     table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
+    if "tool_call_frequency_before" in summary:  # a tool loop's evaluation: how often the student calls, at mean@k
+        calls = [summary.get(f"tool_call_frequency_{when}") for when in ("before", "after")]
+        table.add_row("tool calls per answer, before -> after", " -> ".join(f"{c:.2f}" for c in calls), "")
     return table
 
 

@@ -320,6 +320,84 @@ def mistake(record, answer):
     return "wrong_final_answer"
 
 
+def _sample_conversations(model, tokenizer, prompts, sampling, seed, max_new_tokens, batch_size):
+    """`run_tool_loop` in eval mode, under a forked RNG: training continues the same without it."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return run_tool_loop(model, tokenizer, prompts, sampling, seed, max_new_tokens, batch_size)
+    finally:
+        model.train(was_training)
+
+
+def _final_answer_text(record):
+    return record["turns"][-1].get("content") or ""
+
+
+def tool_frequencies(records):
+    """TRL's `tools/call_frequency` (calls per conversation) and `tools/failure_frequency` (failed calls per call) of
+    `run_tool_loop`'s records."""
+    calls = sum(record["calls"] for record in records)
+    return {
+        "call_frequency": calls / len(records),
+        "failure_frequency": sum(record["failures"] for record in records) / calls if calls else 0.0,
+    }
+
+
+def _sampling(greedy, temperature, top_p, top_k):
+    if greedy:
+        return dict(do_sample=False)
+    return dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+class ToolLoopGenerator:
+    """[`~tvopd_trl.eval.TransformersGenerator`]'s call through `run_tool_loop` with the `add` tool, for the
+    `tiny-tools` benchmark: each response is the last assistant turn's text (what `evaluate_with_tool` grades), and
+    `stats` holds the last call's `tool_frequencies`. It generates in one process (`shard` of one): the tool loop's
+    turns are not collectives."""
+
+    def __init__(self, model, tokenizer, batch_size=64):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.stats = None
+
+    def __call__(self, prompts, settings, shard=(0, 1)):
+        if shard[1] > 1:
+            raise ValueError(
+                "The embedded tool task is evaluated in one process; run the job on one process, or set "
+                "`eval_problems: 0` and score the saved model with `tvopd-trl eval --benchmarks tiny-tools`."
+            )
+        greedy = settings.temperature == 0
+        samples = 1 if greedy else settings.k
+        sampling = _sampling(greedy, settings.temperature, settings.top_p, settings.top_k)
+        records = _sample_conversations(
+            self.model,
+            self.tokenizer,
+            [prompt for prompt in prompts for _ in range(samples)],
+            sampling,
+            settings.seed,
+            settings.max_new_tokens,
+            self.batch_size,
+        )
+        self.stats = tool_frequencies(records)
+        texts = [_final_answer_text(record) for record in records]
+        responses = [texts[i * samples : (i + 1) * samples] for i in range(len(prompts))]
+        return [row * settings.k for row in responses] if greedy else responses
+
+
+def tiny_tools_benchmark():
+    """The tool task's held-out split, registered as `"tiny-tools"`: answered through the tool loop
+    (`ToolLoopGenerator`), up to `MAX_NEW_TOKENS` per turn."""
+    from ..eval.benchmarks import Benchmark, Problem
+
+    def load():
+        return [Problem(f"{p['a']}+{p['b']}", p["question"], p["answer"]) for p in problems("test")]
+
+    return Benchmark("tiny-tools", "Tiny-tools", prompt_template="{problem}", loader=load, generator=ToolLoopGenerator)
+
+
 def evaluate_with_tool(
     model, tokenizer, split="test", k=4, greedy=False, seed=0, n=None, batch_size=512, max_new_tokens=MAX_NEW_TOKENS
 ):
@@ -329,36 +407,22 @@ def evaluate_with_tool(
     per conversation and failed calls per call (TRL's `tools/call_frequency` and `tools/failure_frequency`), and the
     wrong conversations counted by `mistake` kind. Grades in the calling thread, which must be the main one
     (math-verify's alarm, `tvopd_trl.eval.grade_answer`)."""
-    import torch
-
     from ..eval import grade_answer, last_boxed
     from ..eval.generation import PAPER_TEMPERATURE, PAPER_TOP_K, PAPER_TOP_P
 
     rows = problems(split)[:n]
     samples = 1 if greedy else k
-    if greedy:
-        sampling = dict(do_sample=False)
-    else:
-        sampling = dict(do_sample=True, temperature=PAPER_TEMPERATURE, top_p=PAPER_TOP_P, top_k=PAPER_TOP_K)
+    sampling = _sampling(greedy, PAPER_TEMPERATURE, PAPER_TOP_P, PAPER_TOP_K)
     prompts = [[{"role": "user", "content": row["question"]}] for row in rows for _ in range(samples)]
     golds = [row["answer"] for row in rows for _ in range(samples)]
-    was_training = model.training
-    model.eval()
-    try:
-        # Seeded sampling that leaves the caller's random streams alone (training continues the same without it).
-        with torch.random.fork_rng(devices=[]):
-            records = run_tool_loop(model, tokenizer, prompts, sampling, seed, max_new_tokens, batch_size)
-    finally:
-        model.train(was_training)
-    answers = [last_boxed(record["turns"][-1]["content"]) for record in records]
+    records = _sample_conversations(model, tokenizer, prompts, sampling, seed, max_new_tokens, batch_size)
+    answers = [last_boxed(_final_answer_text(record)) for record in records]
     # In this process, whose math-verify stays imported and its parses cached from one evaluation to the next: a pool
     # of workers (`tvopd_trl.eval.grade`) would start anew for each of a build's dev evaluations (2.6 s against 0.5).
     correct = [grade_answer(answer, gold) == "correct" for answer, gold in zip(answers, golds, strict=True)]
-    calls = sum(record["calls"] for record in records)
     kinds = Counter(mistake(r, gold) for r, gold, right in zip(records, golds, correct, strict=True) if not right)
     return {
         "accuracy": sum(correct) / len(correct),
-        "call_frequency": calls / len(records),
-        "failure_frequency": sum(record["failures"] for record in records) / calls if calls else 0.0,
+        **tool_frequencies(records),
         "mistakes": {kind: kinds[kind] for kind in MISTAKE_KINDS},
     }
