@@ -437,19 +437,32 @@ def check_job_arguments(job_args, training_args, model_args):
         check_embedded_budget(job_args, training_args)
 
 
-# The embedded tasks whose completions need more than the job's default budgets: (what a completion holds, the least
-# `max_completion_length`, the least `eval_max_new_tokens` (per turn with tools), the recipe that sets them).
+# The embedded tasks whose completions need more than the job's default budgets: what a completion holds, and the
+# recipe that sets the budgets (`embedded_budgets` has the numbers).
 EMBEDDED_BUDGETS = {
-    "long_addition": ("column traces of 45-49 tokens (with the EOS) before the answer", 64, 64, "long_tvopd"),
-    "tools": ("a calling turn of 33 tokens, the tool's result and an answering turn: 55-57 tokens", 64, 40, "tools"),
+    "long_addition": ("column traces of 45-49 tokens (with the EOS) before the answer", "long_tvopd"),
+    "tools": ("a calling turn of 33 tokens, the tool's result and an answering turn: 55-57 tokens", "tools"),
 }
+
+
+def embedded_budgets(task):
+    """The least `max_completion_length` and `eval_max_new_tokens` (per turn with tools) of a task of
+    `EMBEDDED_BUDGETS`, from the task's own budgets."""
+    if task == "long_addition":
+        from .tiny.task import max_new_tokens
+
+        return max_new_tokens(task), max_new_tokens(task)
+    from .tiny.tool_task import MAX_NEW_TOKENS
+
+    return 64, MAX_NEW_TOKENS  # a whole conversation, 55-57 tokens; one turn
 
 
 def check_embedded_budget(job_args, training_args):
     """A task of `EMBEDDED_BUDGETS` needs its whole generation budget, and its own held-out split: a shorter budget
     cuts every completion before its answer, and the default benchmark grades another skill."""
     task = job_args.embedded_task
-    holds, completion, per_response, recipe = EMBEDDED_BUDGETS[task]
+    holds, recipe = EMBEDDED_BUDGETS[task]
+    completion, per_response = embedded_budgets(task)
     short = {"max_completion_length": (training_args.max_completion_length, completion)}
     if job_args.eval_problems > 0:
         short["eval_max_new_tokens"] = (job_args.eval_max_new_tokens, per_response)
