@@ -113,7 +113,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from . import task, tool_task
+from . import provenance, task, tool_task
 from .accuracy import evaluate_accuracy
 
 
@@ -847,7 +847,7 @@ def build_tools(output_dir, keep_checkpoints=False, log=print, **overrides):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--output-dir", help="Where the family is written (required unless --unchanged-since).")
     parser.add_argument(
         "--family",
         choices=("pair", "multi-teacher", "long-addition", "vllm", "cross-tokenizer", "tools"),
@@ -873,7 +873,23 @@ def main():
     parser.add_argument(
         "--keep-checkpoints", action="store_true", help="Also save every checkpoint evaluated in the window."
     )
+    parser.add_argument(
+        "--unchanged-since",
+        metavar="BUILD_JSON",
+        help="Build nothing: exit 0 when a build with these options would have the inputs recorded in BUILD_JSON "
+        "(our sources, the numeric libraries' versions, the CPU kernels), and 1, naming what changed, otherwise.",
+    )
     args = parser.parse_args()
+    if not (args.output_dir or args.unchanged_since):
+        parser.error("--output-dir is required")
+    options = {
+        key: value for key, value in vars(args).items() if key not in ("family", "output_dir", "unchanged_since")
+    }
+    if args.unchanged_since:
+        with open(args.unchanged_since) as f:
+            changes = provenance.changed_inputs(json.load(f), args.family, options)
+        print("\n".join(changes) or f"{args.family}: the inputs of {args.unchanged_since}, unchanged")
+        raise SystemExit(1 if changes else 0)
     kwargs = {} if args.total_steps is None else {"total_steps": args.total_steps}
     if args.family != "cross-tokenizer":  # the only family without a student search
         kwargs.update(keep_checkpoints=args.keep_checkpoints)
@@ -887,7 +903,14 @@ def main():
         "cross-tokenizer": build_cross_tokenizer,
         "tools": build_tools,
     }
-    builders[args.family](args.output_dir, seed=args.seed, log=lambda message: print(message, flush=True), **kwargs)
+    summary = builders[args.family](
+        args.output_dir, seed=args.seed, log=lambda message: print(message, flush=True), **kwargs
+    )
+    summary.update(
+        inputs=provenance.build_inputs(args.family, options), outputs=provenance.build_outputs(args.output_dir)
+    )
+    with open(os.path.join(args.output_dir, "build.json"), "w") as f:
+        json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":
