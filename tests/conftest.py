@@ -12,6 +12,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # vLLM's own switch for its CPU CI, inherited by the servers and engines the tests start: eager model code instead of
 # inductor's C++ compile and no warm-up (a tiny server was ready in 51 s instead of 155 s on this machine).
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# vLLM's CPU worker pins its threads to the cores it picks, the same for every server and engine: here each one ran on
+# core 0 alone, a second server's start took 6 minutes beside a busy one, and the other core idled. The scheduler
+# spreads unpinned ones over both.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 torch.set_num_threads(1)
 
 
