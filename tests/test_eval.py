@@ -5,6 +5,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 import types
 import weakref
@@ -214,6 +215,29 @@ def test_results_do_not_depend_on_the_number_of_workers():
     one = grade(answers, golds, workers=1)
     assert one == grade(answers, golds, workers=2) == grade(answers, golds, workers=3)
     assert one.count("correct") == 100
+
+
+def test_grading_workers_come_from_a_forkserver_that_imported_the_callers_modules_once(tmp_path):
+    """A fork of a caller with other threads can hang (CPython gh-112275: an evaluation in a 2-process run never
+    ended), so no worker is forked from the caller; and the caller's `-m` main module, which every worker runs again,
+    finds its imports done in the forkserver. `heavy` logs each process that imports it: the caller and the
+    forkserver, not each worker of each call (a fork of the caller would log 1, workers importing anew 5)."""
+    package = tmp_path / "caller"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "heavy.py").write_text(f"open({str(tmp_path / 'imports.log')!r}, 'a').write('import\\n')\n")
+    (package / "main.py").write_text(
+        "import threading\n"
+        "from caller import heavy\n"
+        "from tvopd_trl.eval.grading import grade\n"
+        "if __name__ == '__main__':\n"
+        "    threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "    for _ in range(2):\n"
+        "        assert grade(['1', '2'], ['1', '3'], workers=2) == ['correct', 'incorrect']\n"
+    )
+    run = subprocess.run([sys.executable, "-m", "caller.main"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "imports.log").read_text().count("import") == 2
 
 
 def test_grading_rejects_bad_arguments():

@@ -21,6 +21,7 @@ a pure function of (answer, gold), so results do not depend on the number of wor
 import functools
 import multiprocessing
 import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 
@@ -113,6 +114,24 @@ def _grade_pair(pair, timeout_seconds):
     return grade_answer(*pair, timeout_seconds=timeout_seconds)
 
 
+def _worker_context():
+    """Where the grading workers come from: never a fork of the caller, whose other threads (a trainer's) may hold
+    CPython's locks at that moment. A child forked then can hang forever (CPython gh-112275, in Python 3.11.7 here; seen
+    as an evaluation inside a 2-process run that never ended). A forkserver is one single-threaded process per
+    caller that has imported, once, the modules the workers need (the caller's main module's among them, which each
+    worker runs again as ``__mp_main__``), and forks the workers; spawn where there is none (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    preload = ["__main__", __name__, "math_verify"]
+    main_module = getattr(sys.modules["__main__"].__spec__, "name", None)
+    if main_module and not main_module.endswith("__main__"):  # `python -m module`: its imports, done once
+        preload.append(main_module)
+    # Takes effect when the forkserver starts, on this process's first pool of that kind, in place of any list set before
+    context.set_forkserver_preload(preload)
+    return context
+
+
 def grade(answers, golds, workers=2, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     """Statuses of extracted `answers` against `golds` (equal-length lists), in order, graded by `workers` processes.
 
@@ -124,10 +143,7 @@ def grade(answers, golds, workers=2, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     statuses = [NO_ANSWER if answer is None or not answer.strip() else None for answer in answers]
     pending = [i for i, status in enumerate(statuses) if status is None]
     if pending:
-        # Forked workers start at once and run only math-verify (no torch op, so no inherited thread pool is used);
-        # where fork is unavailable, spawned ones re-import the caller's main module.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method)) as pool:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) as pool:
             chunksize = max(1, len(pending) // (8 * workers))
             pairs = [(answers[i], golds[i]) for i in pending]
             grader = functools.partial(_grade_pair, timeout_seconds=timeout_seconds)
