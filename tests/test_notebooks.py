@@ -34,14 +34,17 @@ def execute(notebook, cwd):
     """Runs `notebook` in place in a fresh kernel started in `cwd`; raises `CellExecutionError` on any cell error."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MPLBACKEND", None)  # the kernel's inline backend, as in Jupyter
+    km = kernel_manager()
     client = NotebookClient(
-        notebook,
-        km=kernel_manager(),
-        timeout=CELL_TIMEOUT,
-        startup_timeout=120,
-        resources={"metadata": {"path": str(cwd)}},
+        notebook, km=km, timeout=CELL_TIMEOUT, startup_timeout=120, resources={"metadata": {"path": str(cwd)}}
     )
-    client.execute(env=env)
+    try:
+        client.execute(env=env)
+    finally:
+        # nbclient leaves running a kernel whose manager it was given: each held its notebook's models until the
+        # pytest worker ended
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
     return notebook
 
 
@@ -58,11 +61,16 @@ def test_the_notebooks_are_there():
 
 
 def test_the_kernel_is_this_interpreter_in_the_given_directory(tmp_path):
-    source = "import os, sys\nprint(sys.executable, sys.prefix, os.getcwd(), os.environ['OMP_NUM_THREADS'], sep='\\n')"
+    source = (
+        "import os, sys\n"
+        "print(sys.executable, sys.prefix, os.getcwd(), os.environ['OMP_NUM_THREADS'], os.getpid(), sep='\\n')"
+    )
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
-    executable, prefix, cwd, threads = stream_text(execute(notebook, tmp_path).cells[0]).split("\n")[:4]
+    executable, prefix, cwd, threads, pid = stream_text(execute(notebook, tmp_path).cells[0]).split("\n")[:5]
     assert (executable, prefix) == (sys.executable, sys.prefix)
     assert Path(cwd).resolve() == tmp_path.resolve() and threads == "1"
+    with pytest.raises(ProcessLookupError):  # the kernel is shut down
+        os.kill(int(pid), 0)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
