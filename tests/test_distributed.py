@@ -7,16 +7,17 @@ processes fails. The first ZeRO-3 launch on a machine compiles DeepSpeed's share
 cache (`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions): a minute or two on 2 cores, once.
 """
 
+import contextlib
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from accelerate.state import AcceleratorState
@@ -62,8 +63,8 @@ def _launch_env():
 
 
 def start_launch(launch_args, cwd=None):
-    """`accelerate launch` with `launch_args`, in a session of its own, so that `wait_launch` can end the launcher and
-    the ranks it started together."""
+    """`accelerate launch` with `launch_args`, in a session of its own (`wait_launch` ends it and the ranks it
+    started)."""
     return subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", *launch_args],
         stdout=subprocess.PIPE,
@@ -80,7 +81,14 @@ def wait_launch(process, what, timeout=300):
     try:
         return process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        # torch's elastic agent starts each rank in a session of its own: the ranks and what they started are found
+        # by descent, or they would outlive the launcher and hold its pipes open, leaving `communicate` waiting forever
+        launcher = psutil.Process(process.pid)
+        descendants = launcher.children(recursive=True)
+        for running in [*descendants, launcher]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                running.kill()
+        psutil.wait_procs(descendants, timeout=30)
         stdout, stderr = process.communicate()
         pytest.fail(f"{what} did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-6000:]}")
 

@@ -5,6 +5,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from accelerate.utils import DistributedType
 
@@ -53,6 +54,21 @@ def test_processes_that_do_not_form_one_group_stop_at_construction_with_one_line
     # torchrun's summary of the failed ranks: each exited with the error's status, none was ended by the launcher
     failures = re.findall(r"rank\s*: (\d+) \(local_rank: \d+\)\s+exitcode\s*: (-?\d+)", stderr)
     assert code != 0 and sorted(failures) == [(str(rank), "2") for rank in range(NUM_PROCESSES)], log
+
+
+def test_a_launch_past_its_time_is_ended_with_every_rank(tmp_path):
+    # torch's elastic agent starts each rank in a session of its own: killing the launcher's left them running, and
+    # holding its pipes, so that the test hung instead of failing
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, sys, time\nopen(sys.argv[1] + f'/{os.getpid()}.pid', 'w').close()\ntime.sleep(600)\n"
+    )
+    process = start([], str(script), str(tmp_path))
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 30 s"):
+        wait(process, timeout=30)
+    ranks = [int(path.stem) for path in tmp_path.glob("*.pid")]
+    assert len(ranks) == NUM_PROCESSES
+    assert not [pid for pid in ranks if psutil.pid_exists(pid)]
 
 
 @pytest.mark.parametrize(
