@@ -22,6 +22,7 @@ import functools
 import multiprocessing
 import signal
 import sys
+import types
 from concurrent.futures import ProcessPoolExecutor
 
 
@@ -117,18 +118,25 @@ def _grade_pair(pair, timeout_seconds):
 def _worker_context():
     """Where the grading workers come from: never a fork of the caller, whose other threads (a trainer's) may hold
     CPython's locks at that moment. A child forked then can hang forever (CPython gh-112275, in Python 3.11.7 here; seen
-    as an evaluation inside a 2-process run that never ended). A forkserver is one single-threaded process per
-    caller that has imported, once, the modules the workers need (the caller's main module's among them, which each
-    worker runs again as ``__mp_main__``), and forks the workers; spawn where there is none (Windows)."""
+    as an evaluation inside a 2-process run that never ended). A forkserver is one single-threaded process that forks
+    the workers; spawn where there is none (Windows).
+
+    Each worker runs the caller's main module again. The forkserver imports it once where it is a file; where it is
+    ``python -m module`` (``tvopd_trl.scripts.train``: 3.5 s of imports here), it imports what the module's names come
+    from, so that a worker's run finds them imported (the module itself, imported there, would make every run warn)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    preload = ["__main__", __name__, "math_verify"]
-    main_module = getattr(sys.modules["__main__"].__spec__, "name", None)
-    if main_module and not main_module.endswith("__main__"):  # `python -m module`: its imports, done once
-        preload.append(main_module)
+    preload = {"__main__", __name__, "math_verify"}
+    main = sys.modules["__main__"]
+    if getattr(main.__spec__, "name", None):
+        origins = (
+            value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            for value in vars(main).values()
+        )
+        preload |= {origin for origin in origins if isinstance(origin, str) and origin not in ("__main__", "builtins")}
     # Takes effect when the forkserver starts, on this process's first pool of that kind, in place of any list set before
-    context.set_forkserver_preload(preload)
+    context.set_forkserver_preload(sorted(preload))
     return context
 
 
@@ -143,6 +151,8 @@ def grade(answers, golds, workers=2, timeout_seconds=DEFAULT_TIMEOUT_SECONDS):
     statuses = [NO_ANSWER if answer is None or not answer.strip() else None for answer in answers]
     pending = [i for i, status in enumerate(statuses) if status is None]
     if pending:
+        # A pool per call: workers kept between calls would outlive a caller that ends without its exit handlers (a
+        # killed run; a rank that gloo aborts at exit), waiting forever for work, with the caller's output streams
         with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) as pool:
             chunksize = max(1, len(pending) // (8 * workers))
             pairs = [(answers[i], golds[i]) for i in pending]
