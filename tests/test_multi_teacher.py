@@ -175,16 +175,16 @@ def test_a_rows_advantage_uses_its_teachers_scale(make_trainer, two_teachers, tm
     seen = {}
     original = TVOPDTrainer.compute_loss
 
-    def capture(mode, **kwargs):
+    def capture(mode, delta, **kwargs):
         seen["scale"] = kwargs["scale"]
-        return torch.zeros_like(kwargs["teacher_logps"])
+        return torch.zeros_like(delta.delta)
 
     import tvopd_trl.trainer as trainer_module
 
     trainer.rollout_scales = [0.25, 0.5]
     trainer._step = 1  # inside the rollout batch: the held scales are used
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer_module, "compute_advantages", capture)
+        patch.setattr(trainer_module, "advantages_from_delta", capture)
         original(trainer, trainer.model, inputs)
     expected = torch.tensor([0.25, 0.5])[inputs["teacher_index"]].unsqueeze(1)
     torch.testing.assert_close(seen["scale"], expected)

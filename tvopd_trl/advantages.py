@@ -24,25 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .spans import broadcast_spans, to_spans
+from .delta import TokenDelta
 
 
 # A teacher that gives a sampled token no mass makes delta = -inf. Magnitude-based modes need a finite |delta|, so
 # -inf is replaced by the log of the smallest normal float32, the most negative log-probability float32 can resolve.
 LOG_FLOAT32_TINY = float(torch.log(torch.tensor(torch.finfo(torch.float32).tiny)))
-
-
-def token_delta(teacher_logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor):
-    """Returns the raw log-ratio delta and the active-token mask with non-finite tokens removed.
-
-    NaN (either model produced NaN) and +inf (the rollout policy gave its own sample no mass) carry no usable
-    direction, so those tokens leave the loss and the TV estimate. delta = -inf stays active: it is a legitimate
-    "teacher rules this token out".
-    """
-    delta = (teacher_logps.float() - old_logps.float()).detach()
-    nonfinite = torch.isnan(delta) | torch.isposinf(delta)
-    active = mask.bool() & ~nonfinite
-    return delta, active
 
 
 def _finite_delta(delta: torch.Tensor, active: torch.Tensor, floor: float | None) -> torch.Tensor:
@@ -285,6 +272,32 @@ def compute_advantages(
     Returns:
         `torch.Tensor`: `(B, T)` float32 coefficients, detached, zero on inactive and non-finite tokens.
     """
+    return advantages_from_delta(
+        mode,
+        TokenDelta.of(teacher_logps, old_logps, mask, span_ids),
+        teacher_logps=teacher_logps,
+        old_logps=old_logps,
+        scale=scale,
+        reverse_kl=reverse_kl,
+        generator=generator,
+        **hyperparameters,
+    )
+
+
+def advantages_from_delta(
+    mode: str,
+    delta: TokenDelta,
+    *,
+    teacher_logps: torch.Tensor | None = None,
+    old_logps: torch.Tensor | None = None,
+    scale: float = 1.0,
+    reverse_kl: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    **hyperparameters,
+) -> torch.Tensor:
+    """[`compute_advantages`] from a batch's [`~tvopd_trl.delta.TokenDelta`], computed once by the caller (the trainer
+    reads the same delta for the TV estimate and its statistics). The log-probabilities are needed only by the modes
+    whose `inputs` name them."""
     if mode not in ADVANTAGE_MODE_REGISTRY:
         raise ValueError(f"Unknown advantage_mode {mode!r}. Valid modes are: {', '.join(ADVANTAGE_MODE_REGISTRY)}.")
     known = {keyword for spec in ADVANTAGE_MODE_REGISTRY.values() for keyword in spec.hyperparameters}
@@ -292,10 +305,9 @@ def compute_advantages(
     if unknown:
         raise TypeError(f"compute_advantages() got unknown hyperparameters {unknown}; the modes' are {sorted(known)}.")
     spec = ADVANTAGE_MODE_REGISTRY[mode]
-    teacher_logps, old_logps = teacher_logps.detach(), old_logps.detach()
     inputs = {
-        "teacher_logps": teacher_logps,
-        "old_logps": old_logps,
+        "teacher_logps": None if teacher_logps is None else teacher_logps.detach(),
+        "old_logps": None if old_logps is None else old_logps.detach(),
         "reverse_kl": None if reverse_kl is None else reverse_kl.detach(),
         "scale": scale,
         "generator": generator,
@@ -306,13 +318,9 @@ def compute_advantages(
     for name in spec.required:
         if keywords.get(name) is None:
             raise ValueError(f"advantage_mode={mode!r} requires `{name}`, but it is None.")
-    delta, active = token_delta(teacher_logps, old_logps, mask)
-    if span_ids is None:
-        return spec.function(delta, active, **keywords)
-    if not spec.across_tokenizers:
+    if delta.span_ids is not None and not spec.across_tokenizers:
         raise ValueError(f"advantage_mode={mode!r} is not defined on span log-ratios: {across_tokenizers_hint()}")
-    coefficients = spec.function(*to_spans(delta, active, span_ids), **keywords)
-    return torch.where(active, broadcast_spans(coefficients, span_ids), 0.0)
+    return delta.per_token(spec.function(*delta.per_span(delta.delta), **keywords))
 
 
 def across_tokenizers_hint() -> str:

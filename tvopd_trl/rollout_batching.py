@@ -74,7 +74,7 @@ class RolloutBatchingMixin:
         # pathological, leaves its token in the count).
         old_logps = batch.get("old_logps")
         old_logps = torch.zeros_like(batch["teacher_logps"]) if old_logps is None else old_logps
-        return self._rollout_delta(batch, old_logps)[1]
+        return self._rollout_delta(batch, old_logps).active
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:

@@ -348,7 +348,8 @@ def first_batch_delta(study):
     student, with -inf clamped as the advantages clamp it: the input of the dispersion case study."""
     import tempfile
 
-    from .advantages import LOG_FLOAT32_TINY, token_delta
+    from .advantages import LOG_FLOAT32_TINY
+    from .delta import token_delta
     from .doctor import rollouts
     from .job import apply_model_config, job_parser, load_job
     from .trainer import TVOPDTrainer

@@ -24,7 +24,7 @@ from trl import DistillationTrainer
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import pad
 
-from .advantages import ADVANTAGE_MODE_REGISTRY, compute_advantages, token_delta
+from .advantages import ADVANTAGE_MODE_REGISTRY, advantages_from_delta
 from .async_rollouts import AsyncRolloutMixin, bound_request_time
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import RolloutCheckpointMixin
@@ -39,6 +39,7 @@ from .checks import (
 )
 from .config import TVOPDConfig
 from .cross_tokenizer import teacher_prompt_batch
+from .delta import TokenDelta
 from .metrics import StepStatistics
 from .model_card import add_section, card_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
@@ -49,7 +50,7 @@ from .spans import align_teacher_logps, broadcast_spans, span_sums
 from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
 from .tools import ToolLoopMixin
-from .tv import tv_estimate
+from .tv import tv_sums
 
 
 logger = logging.get_logger(__name__)
@@ -453,13 +454,14 @@ class TVOPDTrainer(
         return torch.Generator().manual_seed(seed)
 
     @staticmethod
-    def _rollout_delta(inputs, old_logps):
-        """delta and the tokens that carry one: active in `loss_mask`, with finite log-probabilities from the teacher,
-        the rollout student and, under vLLM, the sampler."""
-        delta, active = token_delta(inputs["teacher_logps"], old_logps, inputs["loss_mask"])
+    def _rollout_delta(inputs, old_logps) -> TokenDelta:
+        """The batch's delta, on the tokens that carry one: active in `loss_mask`, with finite log-probabilities from
+        the teacher, the rollout student and, under vLLM, the sampler. Computed once per micro-batch; the advantage,
+        the TV estimate and the statistics all read it."""
+        delta = TokenDelta.of(inputs["teacher_logps"], old_logps, inputs["loss_mask"], inputs.get("span_ids"))
         if "sampler_logps" in inputs:
-            active = active & torch.isfinite(inputs["sampler_logps"])
-        return delta, active
+            delta = delta.where(torch.isfinite(inputs["sampler_logps"]))
+        return delta
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
@@ -481,26 +483,25 @@ class TVOPDTrainer(
             old_logps = logps.detach()
             if span_ids is not None:
                 inputs = {**inputs, "teacher_logps": align_teacher_logps(inputs["teacher_logps"], old_logps, span_ids)}
-        teacher_logps = inputs["teacher_logps"]
-        delta, rollout_active = self._rollout_delta(inputs, old_logps)
-        active = rollout_active & torch.isfinite(logps).detach()
+        rollout_delta = self._rollout_delta(inputs, old_logps)
+        delta = rollout_delta.where(torch.isfinite(logps).detach())  # the loss's tokens
+        active = delta.active
 
         schedulers = self._tv_schedulers
         if in_rollout and self._step % self._micro_steps_per_rollout == 0:
             self.rollout_scales = [s.scale for s in schedulers]  # c_k: read once, held for the whole rollout batch
         scales = self.rollout_scales if in_rollout else [s.scale for s in schedulers]
         scale_index = self._scale_index(inputs)
-        scale = torch.tensor(scales, device=delta.device)[scale_index].unsqueeze(1)
+        scale = torch.tensor(scales, device=active.device)[scale_index].unsqueeze(1)
         spec = ADVANTAGE_MODE_REGISTRY[args.advantage_mode]
-        advantages = compute_advantages(
+        advantages = advantages_from_delta(
             args.advantage_mode,
-            teacher_logps=teacher_logps,
+            delta,
+            teacher_logps=inputs["teacher_logps"],
             old_logps=old_logps,
-            mask=active,
             scale=scale if args.tv_scale_target == "advantage" else 1.0,
             reverse_kl=inputs.get("reverse_kl"),
             generator=self._shuffle_generator() if "generator" in spec.inputs else None,
-            span_ids=span_ids,
             **spec.config_kwargs(args),
         )
         if args.distillation_coef != 1.0:
@@ -545,7 +546,7 @@ class TVOPDTrainer(
             statistics = self._step_statistics if in_rollout else StepStatistics()
             statistics.add(
                 active=active,
-                delta=delta,
+                delta=delta.delta,
                 ratio=ratio,
                 advantages=advantages,
                 loss_mask=inputs["loss_mask"],
@@ -557,22 +558,31 @@ class TVOPDTrainer(
                 terms=None if reward_term is None else (distill_term, reward_term),
             )
             # Under vLLM the tokens were drawn by the sampler: X_t weighted by the loss's truncated ratio pi_old /
-            # pi_vllm estimates the TV under pi_old again (docs/method.md).
-            if in_rollout:
-                first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
-                if first_pass:
-                    for index in range(len(scales)):
-                        rows = rollout_active & (scale_index == index).unsqueeze(1)
-                        u, n = tv_estimate(teacher_logps, old_logps, rows, tv_weights, span_ids)
-                        exact = torch.where(rows, inputs.get("exact_tv", 0.0), 0.0).sum()
-                        self._rollout_tv[index] += torch.stack([u.float(), n.float(), exact.float()])
-            else:
+            # pi_vllm estimates the TV under pi_old again (docs/method.md). The estimate is of the rollout policy, so
+            # it reads the rollout's tokens, whatever the current student gives them.
+            first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
+            if not in_rollout or first_pass:
+                tv = torch.stack(
+                    [
+                        self._tv_sums(rollout_delta.where((scale_index == index).unsqueeze(1)), tv_weights, inputs)
+                        for index in range(len(scales))
+                    ]
+                )
+            if in_rollout and first_pass:
+                self._rollout_tv += tv
+            elif not in_rollout:
                 statistics.log(self.accelerator, self._metrics[mode], dispersion=False)
-                u, n = tv_estimate(teacher_logps, old_logps, active, tv_weights, span_ids)
-                u, n = self.accelerator.reduce(torch.stack([u.float(), n.float()]), reduction="sum").tolist()
+                u, n = self.accelerator.reduce(tv.sum(dim=0)[:2], reduction="sum").tolist()
                 self._metrics[mode]["tv/estimate"].append(u / n if n > 0 else float("nan"))
 
         return (loss, None) if return_outputs else loss
+
+    @staticmethod
+    def _tv_sums(delta, weights, inputs):
+        """`(3,)`: the sum of X, the token count and the sum of the exact TV (0 without it) over `delta`'s tokens."""
+        u, n = tv_sums(delta, weights)
+        exact = torch.where(delta.active, inputs.get("exact_tv", 0.0), 0.0).sum()
+        return torch.stack([u.float(), n.float(), exact.float()])
 
     # ----------------------------------------------------------------------------------------------------------------
     # Around the optimizer step: skip non-finite gradients, then update the scheduler and log

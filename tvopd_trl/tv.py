@@ -17,8 +17,7 @@ import math
 
 import torch
 
-from .advantages import token_delta
-from .spans import to_spans
+from .delta import TokenDelta
 
 
 def tv_estimate(
@@ -48,12 +47,15 @@ def tv_estimate(
         `tuple[torch.Tensor, torch.Tensor]`: float32 sum of X over active tokens, and the int64 active-token count.
         Sum both over micro-batches and processes before dividing: the estimate pools tokens.
     """
-    delta, active = token_delta(teacher_logps, old_logps, mask)
-    x = -torch.expm1(delta.clamp(max=0.0))
+    return tv_sums(TokenDelta.of(teacher_logps, old_logps, mask, span_ids), weights)
+
+
+def tv_sums(delta: TokenDelta, weights: torch.Tensor | None = None):
+    """[`tv_estimate`] from a batch's [`~tvopd_trl.delta.TokenDelta`], computed once by the caller."""
+    x = -torch.expm1(delta.delta.clamp(max=0.0))
     if weights is not None:
         x = x * weights
-    if span_ids is not None:
-        x, active = to_spans(x, active, span_ids)
+    x, active = delta.per_span(x)
     return torch.where(active, x, 0.0).sum(), active.sum()
 
 
