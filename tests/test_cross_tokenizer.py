@@ -1,12 +1,13 @@
 """A teacher of another family (`cross_tokenizer`): byte tables, spans, masking, span log-ratios and the trainer."""
 
+import collections
 import dataclasses
 import math
 
 import pytest
 import torch
 from tokenizers import normalizers, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizer, PreTrainedTokenizerFast
 
 from tests.other_family import other_family_teacher, other_family_tokenizer, save_other_family_teacher
 from tvopd_trl.advantages import compute_advantages
@@ -77,6 +78,14 @@ def test_a_sentencepiece_style_table_reads_spaces_and_byte_tokens():
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
     assert byte_table(tokenizer)[1:] == [b" a", b"b", b" ", b"\xc3", b"\xa9"]
+
+
+def test_a_tokenizer_without_a_decoder_is_refused_naming_it():
+    from tokenizers import Tokenizer, models
+
+    backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    with pytest.raises(ValueError, match=r"neither a byte-level BPE nor a SentencePiece.*its decoder: none"):
+        byte_table(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"))
 
 
 class _CharTokenizer(PreTrainedTokenizer):
@@ -318,6 +327,21 @@ def test_each_span_counts_once_in_the_tv_estimate_and_the_sequence_scale():
 
 def cross_trainer(teacher_dir, tmp_path, **overrides):
     return tiny_pair_trainer(tiny_config(tmp_path, cross_tokenizer=True, **overrides), teacher_model=teacher_dir)
+
+
+def test_the_setup_reads_each_vocabulary_twice(teacher_dir, tmp_path, monkeypatch):
+    # Each read builds a dict of every token (0.15 s for 150k ids): one for the shared-vocabulary check, computed
+    # once per teacher, and one for the byte table (tests/test_real_vocabularies.py, docs/performance.md §14)
+    reads = collections.Counter()
+    get_vocab = PreTrainedTokenizerFast.get_vocab
+
+    def counted(tokenizer):
+        reads[tokenizer.name_or_path] += 1
+        return get_vocab(tokenizer)
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "get_vocab", counted)
+    cross_trainer(teacher_dir, tmp_path)
+    assert reads == {student_path(): 2, teacher_dir: 2}
 
 
 def test_span_log_ratios_are_the_teachers_sums_minus_the_students(teacher_dir, tmp_path):

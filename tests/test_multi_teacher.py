@@ -115,6 +115,7 @@ def test_teacher_tokenizers_are_given_by_name(make_trainer, two_teachers, tokeni
 
 def test_one_tokenizer_is_every_teachers(make_trainer, two_teachers, tokenizer, tmp_path, monkeypatch):
     import tvopd_trl.checks
+    import tvopd_trl.trainer
 
     compared = []
     check = tvopd_trl.checks.check_shared_vocabulary
@@ -123,11 +124,13 @@ def test_one_tokenizer_is_every_teachers(make_trainer, two_teachers, tokenizer, 
         compared.append(teacher)
         return check(student, teacher, cross_tokenizer)
 
-    monkeypatch.setattr(tvopd_trl.checks, "check_shared_vocabulary", recording)
+    for module in (tvopd_trl.checks, tvopd_trl.trainer):
+        monkeypatch.setattr(module, "check_shared_vocabulary", recording)
     kwargs = dict(teacher_model=two_teachers, train_dataset=routed(8))
     trainer = make_trainer(tiny_config(tmp_path), teacher_processing_class=tokenizer, **kwargs)
     assert list(trainer.teachers) == ["wide", "self"]
-    assert len(compared) == 2 and all(teacher is tokenizer for teacher in compared)  # not loaded from their folders
+    # Once per teacher (each call reads both vocabularies), with the given tokenizer, not one loaded from its folder
+    assert len(compared) == 2 and all(teacher is tokenizer for teacher in compared)
     other = copy.deepcopy(tokenizer)
     other.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match=r"vocabularies differ.*1 only in the teacher \['<extra>'\]"):

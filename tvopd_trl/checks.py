@@ -242,10 +242,11 @@ def load_tokenizer(source, trust_remote_code):
         return None
 
 
-def check_loaded_trainer(trainer, teacher_tokenizers):
+def check_loaded_trainer(trainer, teacher_tokenizers, shared_vocabulary=None):
     """What needs the loaded student and teachers (`trainer.teachers`; `teacher_tokenizers`: name -> tokenizer or None,
-    where a teacher's tokenizer loaded from its folder is added). Returns the alignments of the teachers with another
-    tokenizer (`tvopd_trl.cross_tokenizer.teacher_alignments`)."""
+    where a teacher's tokenizer loaded from its folder is added; `shared_vocabulary`: name -> `check_shared_vocabulary`'s
+    verdict, where already known). Returns the alignments of the teachers with another tokenizer
+    (`tvopd_trl.cross_tokenizer.teacher_alignments`)."""
     args = trainer.args
     check_process_group(trainer.accelerator)
     if trainer._is_vlm:  # loaded by the base class when `processing_class` was None
@@ -263,10 +264,13 @@ def check_loaded_trainer(trainer, teacher_tokenizers):
         None if teacher.served else trainer.accelerator.unwrap_model(teacher.model)
         for teacher in trainer.teachers.values()
     ]
+    shared_vocabulary = dict(shared_vocabulary or {})
     for name, teacher in zip(trainer.teachers, teachers, strict=True):
-        teacher_tokenizers[name] = _check_teacher(trainer, student, teacher, teacher_tokenizers[name])
+        teacher_tokenizers[name], shared_vocabulary[name] = _check_teacher(
+            trainer, student, teacher, teacher_tokenizers[name], shared_vocabulary.get(name)
+        )
     # Before the checks of one vocabulary below: a teacher of another tokenizer fails them with a vaguer message
-    alignments = teacher_alignments(trainer, teacher_tokenizers)
+    alignments = teacher_alignments(trainer, teacher_tokenizers, shared_vocabulary)
     if args.padding_free:
         _check_packed_attention(student, "the student")
         for name, teacher in zip(trainer.teachers, teachers, strict=True):
@@ -335,7 +339,9 @@ def _check_packed_attention(model, name):
         )
 
 
-def _check_teacher(trainer, student, teacher, teacher_processing_class):
+def _check_teacher(trainer, student, teacher, teacher_processing_class, shared_vocabulary=None):
+    """The teacher's tokenizer (loaded from its folder when not given) and whether it shares the student's vocabulary
+    (`shared_vocabulary` where already known; None for an unknown tokenizer)."""
     if teacher_processing_class is None and teacher is not None and teacher.config._name_or_path:
         teacher_processing_class = load_tokenizer(teacher.config._name_or_path, trainer.args.trust_remote_code)
     if teacher_processing_class is None:
@@ -345,10 +351,12 @@ def _check_teacher(trainer, student, teacher, teacher_processing_class):
             "`teacher_processing_class` to check that both share one vocabulary.",
             stacklevel=4,
         )
-    else:
-        check_shared_vocabulary(trainer._tokenizer, teacher_processing_class, trainer.args.cross_tokenizer)
+    elif shared_vocabulary is None:
+        shared_vocabulary = check_shared_vocabulary(
+            trainer._tokenizer, teacher_processing_class, trainer.args.cross_tokenizer
+        )
     if teacher is None:
-        return teacher_processing_class
+        return teacher_processing_class, shared_vocabulary
     student_dtype = next(student.parameters()).dtype
     teacher_dtype = next(teacher.parameters()).dtype
     if student_dtype != teacher_dtype:
@@ -357,7 +365,7 @@ def _check_teacher(trainer, student, teacher, teacher_processing_class):
             "in float32 either way, but a low-precision teacher shifts delta = log pi_T - log pi_old.",
             stacklevel=4,
         )
-    return teacher_processing_class
+    return teacher_processing_class, shared_vocabulary
 
 
 def _warn_on_off_policy_sampling(args):

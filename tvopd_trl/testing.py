@@ -11,8 +11,8 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Tiny untrained Qwen2 models on the embedded task's tokenizer, and local vLLM servers: for tests, benchmarks and smoke
-runs without the Hub."""
+"""Tiny untrained Qwen2 models on the embedded task's tokenizer, tokenizers on real vocabularies, and local vLLM servers:
+for tests, benchmarks and smoke runs without the Hub."""
 
 import os
 import signal
@@ -69,6 +69,79 @@ def tiny_pair_trainer(args, prompts=64, trainer_class=None, **kwargs):
     if "processing_class" not in kwargs:
         kwargs["processing_class"] = AutoTokenizer.from_pretrained(student_path(), padding_side="left")
     return (trainer_class or TVOPDTrainer)(args=args, **kwargs)
+
+
+def real_vocabulary_tokenizer(name):
+    """
+    A fast tokenizer on the real vocabulary of Qwen3 (`name="qwen3"`, 151,669 ids) or Llama 3 (`"llama3"`, 128,256
+    ids), built offline in a few seconds: the BPE ranks that the `quicktok-v1` package ships (the `test` extra),
+    converted by transformers' `TikTokenConverter`, with the pre-tokenization regex, normalizer, added tokens and roles
+    of the model's own tokenizer.json, and a chat template of its format (ChatML; Llama 3's headers).
+    """
+    import quicktok
+    from tokenizers import AddedToken, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from .tiny.build import CHAT_TEMPLATE, LLAMA3, LLAMA3_PRETOKENIZE_REGEX, QWEN2_PRETOKENIZE_REGEX
+
+    if name not in ("qwen3", "llama3"):
+        raise ValueError(f"Unknown vocabulary {name!r}: 'qwen3' or 'llama3'.")
+
+    class RanksConverter(TikTokenConverter):
+        # The ranks from memory, where the converter reads a tiktoken file (with the `tiktoken` package)
+        def extract_vocab_merges_from_model(self, ranks):
+            return _vocab_and_merges(ranks)
+
+    encoding = quicktok.get_encoding(name)
+    # `token_byte_values()` is sorted by bytes, not by rank
+    ranks = {encoding.decode_single_token_bytes(rank): rank for rank in range(len(encoding.token_byte_values()))}
+    pattern = QWEN2_PRETOKENIZE_REGEX if name == "qwen3" else LLAMA3_PRETOKENIZE_REGEX
+    backend = RanksConverter(ranks, pattern=pattern).converted()
+    # The special tokens follow the ranks, in id order; Qwen3's tool and thinking markers are added but not special
+    specials = sorted((encoding.encode_single_token(token), token) for token in encoding.special_tokens_set)
+    markers = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+    markers = markers if name == "qwen3" else set()
+    backend.add_tokens([AddedToken(token, special=token not in markers, normalized=False) for _, token in specials])
+    if any(backend.token_to_id(token) != index for index, token in specials):
+        raise ValueError(f"quicktok's {name} special tokens do not follow its ranks")
+    if name == "qwen3":
+        backend.normalizer = normalizers.NFC()
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=131072
+        )
+        tokenizer.chat_template = CHAT_TEMPLATE
+    else:
+        # Llama 3's: `tokenizer(text)` starts with the BOS, offsets untrimmed
+        bos = LLAMA3.bos_token
+        backend.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))]
+                ),
+            ]
+        )
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token=bos, eos_token="<|eot_id|>", model_max_length=131072
+        )
+        tokenizer.chat_template = LLAMA3.chat_template
+    return tokenizer
+
+
+def _vocab_and_merges(ranks):
+    """`TikTokenConverter`'s vocabulary and merges of BPE `ranks` (`{bytes: rank}`): each token's splits into two
+    tokens, ordered by the token's rank, then by the ranks of the two parts."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    characters = bytes_to_unicode()
+    spelled = {piece: "".join(characters[byte] for byte in piece) for piece in ranks}
+    merges = []
+    for piece in sorted(ranks, key=ranks.get):
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in ranks and piece[i:] in ranks]
+        splits.sort(key=lambda split: (ranks[split[0]], ranks[split[1]]))
+        merges += [(spelled[left], spelled[right]) for left, right in splits]
+    return {spelled[piece]: rank for piece, rank in ranks.items()}, merges
 
 
 def free_port():

@@ -12,6 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
+import heapq
+
 from transformers import PreTrainedTokenizerBase
 
 # In the evaluation module, the bottom layer, whose generators suppress the same ids
@@ -30,15 +32,19 @@ def check_shared_vocabulary(
     teacher's is `<|im_end|>`): only the ids matter.
     """
     student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    same_vocab = student_vocab == teacher_vocab
+    if not same_vocab and cross_tokenizer:
+        return False  # all that `cross_tokenizer` needs: listing what differs walks both vocabularies (150k tokens)
     problems = []
-    if student_vocab != teacher_vocab:
-        only_student = sorted(set(student_vocab) - set(teacher_vocab))
-        only_teacher = sorted(set(teacher_vocab) - set(student_vocab))
-        remapped = sorted(t for t in set(student_vocab) & set(teacher_vocab) if student_vocab[t] != teacher_vocab[t])
+    if not same_vocab:
+        only_student = student_vocab.keys() - teacher_vocab.keys()
+        only_teacher = teacher_vocab.keys() - student_vocab.keys()
+        remapped = [t for t in student_vocab.keys() & teacher_vocab.keys() if student_vocab[t] != teacher_vocab[t]]
         problems.append(
             f"vocabularies differ (student {len(student_vocab)} tokens, teacher {len(teacher_vocab)}): "
-            f"{len(only_student)} only in the student {only_student[:5]}, {len(only_teacher)} only in the teacher "
-            f"{only_teacher[:5]}, {len(remapped)} with different ids {remapped[:5]}"
+            f"{len(only_student)} only in the student {heapq.nsmallest(5, only_student)}, {len(only_teacher)} only "
+            f"in the teacher {heapq.nsmallest(5, only_teacher)}, {len(remapped)} with different ids "
+            f"{heapq.nsmallest(5, remapped)}"
         )
     for name, tokenizer, other_vocab in (("student", student, teacher_vocab), ("teacher", teacher, student_vocab)):
         for token in tokenizer.all_special_tokens:
