@@ -7,6 +7,13 @@ import torch
 from tvopd_trl.testing import build_model, build_tokenizer, tiny_pair_trainer
 from tvopd_trl.tiny import prompt_dataset
 
+from .timeouts import (  # noqa: F401  (hooks: TVOPD_TEST_TIMEOUT_SCALE scales the tests' time limits)
+    pytest_configure,
+    pytest_report_header,
+    pytest_runtest_makereport,
+    pytest_timeout_set_timer,
+)
+
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # vLLM's own switch for its CPU CI, inherited by the servers and engines the tests start: eager model code instead of

@@ -73,6 +73,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from unittest import mock
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from .timeouts import time_limit
+
 
 _REPO_API = re.compile(
     r"^/api/(models|datasets|spaces)/([^/]+/[^/]+?)(?:/(preupload|commit|tree|revision)/([^/]+)(/.*)?)?$"
@@ -165,7 +167,7 @@ class LocalHub:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    timeout = 60  # seconds a connection may stall
+    timeout = time_limit(60)  # seconds a connection may stall
 
     def log_message(self, *args):
         pass

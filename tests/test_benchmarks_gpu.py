@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from .timeouts import time_limit
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
@@ -19,7 +21,9 @@ TRAINERS = ("tv", "raw", "distill", "tv-nonorm")
 def _run(tmp_path, *args, timeout=240):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, SCRIPT, "--quick", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
-    process = subprocess.run(command + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+    process = subprocess.run(
+        command + list(args), capture_output=True, text=True, timeout=time_limit(timeout), env=env
+    )
     assert process.returncode == 0, process.stderr[-4000:]
     with open(tmp_path / "quick" / "bench_gpu.json") as f:
         return process.stdout, json.load(f)

@@ -11,6 +11,8 @@ import pytest
 from tvopd_trl import cli
 from tvopd_trl.console import DEBUG_VARIABLE
 
+from .timeouts import time_limit
+
 
 MISSING = "no/such/../folder"  # not a folder, and not a Hub id either
 
@@ -104,7 +106,7 @@ def _tvopd_trl(*argv, cwd, **env):
         [sys.executable, "-m", "tvopd_trl.cli", *argv],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=time_limit(300),
         cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env},
     )

@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tvopd_trl import TVOPDTrainer, tiny
 from tvopd_trl.testing import tiny_config
 
+from .timeouts import slow_machine_note, time_limit
+
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "distributed_scripts"
@@ -77,9 +79,11 @@ def start_launch(launch_args, cwd=None):
 
 
 def wait_launch(process, what, timeout=300):
-    """`(stdout, stderr)` of a launcher from `start_launch` once it ended; the test fails if it runs past `timeout`."""
+    """`(stdout, stderr)` of a launcher from `start_launch` once it ended; the test fails if it runs past `timeout`
+    seconds (times `TVOPD_TEST_TIMEOUT_SCALE`)."""
+    limit = time_limit(timeout)
     try:
-        return process.communicate(timeout=timeout)
+        return process.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         # torch's elastic agent starts each rank in a session of its own: the ranks and what they started are found
         # by descent, or they would outlive the launcher and hold its pipes open, leaving `communicate` waiting forever
@@ -90,7 +94,8 @@ def wait_launch(process, what, timeout=300):
                 running.kill()
         psutil.wait_procs(descendants, timeout=30)
         stdout, stderr = process.communicate()
-        pytest.fail(f"{what} did not finish within {timeout} s:\n{stdout[-2000:]}\n{stderr[-6000:]}")
+        note = slow_machine_note()
+        pytest.fail(f"{what} did not finish within {limit:g} s. {note}\n{stdout[-2000:]}\n{stderr[-6000:]}")
 
 
 def launch(config, script, output_dir, *script_args, timeout=300):
@@ -532,6 +537,21 @@ def test_reward_groups_are_normalised_over_the_processes_that_hold_them(reward_r
         torch.testing.assert_close(got, expected)
     for key in ("reward", "reward_std", "rewards/token_sum/mean", "advantage/reward_abs_mean", "loss"):
         assert [entry[key] for entry in first["logs"]] == [entry[key] for entry in second["logs"]], key
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Asynchronous rollouts: an error only the main process sees stops both
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_an_error_of_the_main_process_in_async_rollouts_stops_every_rank_with_it(tmp_path):
+    """The main process alone tokenizes the batches ahead: its error (here an empty prompt in rollout batch 3, found at
+    step 1) reaches the other process in the broadcast that would have carried the batch. Before: only a
+    `RolloutServerError` did, and the other rank waited there until `ddp_timeout`."""
+    first, second = launch("ddp_cpu.yaml", "async_error_ddp.py", tmp_path / "async_error")
+    assert first["error"].startswith("ValueError: A prompt tokenized to no token at all")
+    assert second["error"] == first["error"]
+    assert first["step"] == second["step"] == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from tvopd_trl.eval.benchmarks import HUB, PACKAGED_DIR
 from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import student_path
 
+from .timeouts import time_limit
+
 
 DATA_DIR = PACKAGED_DIR  # the copies that ship in the package, used as a `data_dir` like any folder
 SIZES = {"aime24": 30, "aime25": 30, "aime26": 30, "amc23": 40, "hmmt_feb_2025": 30, "math500": 500}
@@ -236,7 +238,7 @@ def test_grading_workers_are_not_forks_of_the_caller_and_find_its_imports_done(t
         "        assert grade(['1', '2'], ['1', '3'], workers=2) == ['correct', 'incorrect']\n"
     )
     run = subprocess.run(
-        [sys.executable, "-m", "caller.main"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "caller.main"], cwd=tmp_path, capture_output=True, text=True, timeout=time_limit(120)
     )
     assert run.returncode == 0 and run.stderr == "", run.stderr
     assert (tmp_path / "imports.log").read_text().count("import") == 2

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from .timeouts import time_limit
+
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tiny" / "tvopd.yaml"
@@ -43,7 +45,7 @@ def test_first_run_prints_none_of_the_avoidable_warnings(recipe, tmp_path):
     command = [sys.executable, "-m", "tvopd_trl.cli", "train", *recipe, "--output_dir", str(tmp_path / "run")]
     command += ["--max_steps", "2", "--eval_problems", "4", "--eval_every_steps", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}  # the recipes report to none
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=time_limit(300), cwd=cwd, env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert (tmp_path / "run" / "summary.json").exists()

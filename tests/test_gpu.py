@@ -14,6 +14,8 @@ import torch
 from tvopd_trl import tiny
 from tvopd_trl.testing import tiny_config
 
+from .timeouts import time_limit
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -302,7 +304,7 @@ def test_single_gpu_deepspeed_zero3_trains_partitions_and_saves_a_loadable_model
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     command += ["--main_process_port", str(_free_port()), str(script), str(output_dir), str(result_path)]
     process = subprocess.run(
-        command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        command, capture_output=True, text=True, timeout=time_limit(240), env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert process.returncode == 0 and result_path.exists(), process.stderr[-6000:]
     result = json.loads(result_path.read_text())

@@ -13,6 +13,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
 
 from .hub_stand_in import local_hub
+from .timeouts import time_limit
 
 
 @pytest.fixture
@@ -101,7 +102,9 @@ def test_write_without_valid_token_is_401(hub, folder, token):
 def test_hf_endpoint_env_var_redirects_a_subprocess(hub):
     code = "from huggingface_hub import HfApi, create_repo; create_repo('user/sub'); print(HfApi().whoami()['name'])"
     env = {**os.environ, **hub.env}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=time_limit(120)
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["user"]
     assert "user/sub" in hub.repos

@@ -16,6 +16,8 @@ import tvopd_trl
 import tvopd_trl.eval
 from tvopd_trl import tiny
 
+from .timeouts import time_limit
+
 
 HEAVY = ("torch", "transformers", "trl", "trackio", "wandb", "deepspeed", "peft", "math_verify", "datasets")
 
@@ -24,7 +26,9 @@ def _imported_by(code):
     """The `HEAVY` modules a fresh interpreter has imported after running `code`, and what `code` printed."""
     probe = f"import json, sys\n{code}\nprint(json.dumps([name for name in {HEAVY!r} if name in sys.modules]))"
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=time_limit(300), env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     *printed, modules = result.stdout.splitlines()
     return json.loads(modules), printed
@@ -33,7 +37,9 @@ def _imported_by(code):
 def test_importing_the_tiny_pair_prints_nothing():
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     code = "import tvopd_trl.tiny as t; print(t.student_path())"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=time_limit(300), env=env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [tiny.student_path()]
 

@@ -17,6 +17,8 @@ from tvopd_trl.job import DEFAULT_RECIPE
 from tvopd_trl.packaged_recipes import RECIPES_DIR, find_recipe, recipe_names
 from tvopd_trl.tiny import student_path
 
+from .timeouts import time_limit
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,7 +133,7 @@ def test_the_wheel_carries_the_recipes_the_benchmarks_and_the_embedded_pair(tmp_
         cwd=ROOT,
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=time_limit(300),
     )
     (wheel,) = tmp_path.glob("tvopd_trl-*.whl")
     with zipfile.ZipFile(wheel) as archive:

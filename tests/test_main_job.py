@@ -10,6 +10,8 @@ import pytest
 
 from tvopd_trl.scripts.train import run
 
+from .timeouts import time_limit
+
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "tiny"
 # The long-completion task's recipes (recipes/tiny/long_*.yaml), one per method of its study
@@ -97,7 +99,7 @@ def test_console_command_launches_through_accelerate(tmp_path):
     command = [sys.executable, "-m", "tvopd_trl.cli", "train", "--config", str(RECIPES / "sign.yaml")]
     command += ["--output_dir", str(tmp_path), "--num_processes", "1", *SHORT]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        command, capture_output=True, text=True, timeout=time_limit(600), env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert result.returncode == 0, result.stderr[-3000:]
     check_outputs(tmp_path, "sign", steps=4)

@@ -21,6 +21,7 @@ from tvopd_trl.job import apply_model_config
 from tvopd_trl.scripts.train import make_parser
 
 from .hub_stand_in import local_hub
+from .timeouts import time_limit
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def lora_run(tmp_path_factory):
     command = [sys.executable, "-m", "tvopd_trl.cli", "train", "--output_dir", str(output_dir), "--max_steps", "2"]
     command += ["--eval_problems", "0", "--learning_rate", "0.05", "--num_processes", "1", *MODEL_FLAGS]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        command, capture_output=True, text=True, timeout=time_limit(600), env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return output_dir

@@ -5,6 +5,7 @@ statistics are finite, ...), so a silent regression fails here as a cell error. 
 on a 2-core CPU.
 """
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -15,11 +16,13 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
+from .timeouts import time_limit
+
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT = 600  # seconds, per cell
-NOTEBOOK_TIMEOUT = 900  # seconds, per notebook (pytest-timeout)
+NOTEBOOK_TIMEOUT = 900  # seconds, per notebook (pytest-timeout); both times TVOPD_TEST_TIMEOUT_SCALE
 STRIP_HINT = "commit notebooks without outputs: see notebooks/README.md for the one-line strip command"
 
 
@@ -36,7 +39,11 @@ def execute(notebook, cwd):
     env.pop("MPLBACKEND", None)  # the kernel's inline backend, as in Jupyter
     km = kernel_manager()
     client = NotebookClient(
-        notebook, km=km, timeout=CELL_TIMEOUT, startup_timeout=120, resources={"metadata": {"path": str(cwd)}}
+        notebook,
+        km=km,
+        timeout=math.ceil(time_limit(CELL_TIMEOUT)),
+        startup_timeout=math.ceil(time_limit(120)),
+        resources={"metadata": {"path": str(cwd)}},
     )
     try:
         client.execute(env=env)

@@ -11,6 +11,8 @@ from tvopd_trl import ADVANTAGE_MODES
 from tvopd_trl.rewards import REWARD_FUNCS, accuracy_reward, group_advantages, resolve_reward_funcs, reward_table
 from tvopd_trl.testing import tiny_config
 
+from .timeouts import time_limit
+
 
 def token_sum(completion_ids, **kwargs):
     """A reward every completion gets, that differs between the samples of one prompt."""
@@ -99,7 +101,7 @@ def test_async_reward_functions_run_concurrently_inside_a_running_event_loop():
             started.append(factor)
             if len(started) == 3:
                 all_started.set()
-            await asyncio.wait_for(all_started.wait(), timeout=30)
+            await asyncio.wait_for(all_started.wait(), timeout=time_limit(30))
             return [factor * len(ids) for ids in completion_ids]
 
         reward.__name__ = f"times_{factor}"

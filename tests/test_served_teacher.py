@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM
 from tvopd_trl.served_teacher import MAX_CHUNK_ROWS
 from tvopd_trl.testing import tiny_config
 
+from .timeouts import time_limit
+
 
 class _VLLMStandIn(BaseHTTPRequestHandler):
     teacher = None
@@ -88,7 +90,8 @@ def black_hole():
 
 
 def finishes_within(seconds, function, *args, **kwargs):
-    """`function(*args, **kwargs)`, run on a daemon thread so that a hang fails the test instead of holding it."""
+    """`function(*args, **kwargs)`, run on a daemon thread so that a hang (past `seconds` times
+    `TVOPD_TEST_TIMEOUT_SCALE`) fails the test instead of holding it."""
     outcome = {}
 
     def run():
@@ -99,8 +102,9 @@ def finishes_within(seconds, function, *args, **kwargs):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s"
+    thread.join(time_limit(seconds))
+    if thread.is_alive():
+        raise TimeoutError(f"still running after {time_limit(seconds):g} s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

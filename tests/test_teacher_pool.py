@@ -29,6 +29,8 @@ from tvopd_trl.scoring import SERVED_TEACHER_STATS
 from tvopd_trl.served_teacher import MAX_CHUNK_ROWS, TeacherServerPool, connect_teacher_pool, served_teacher_logps
 from tvopd_trl.testing import tiny_config
 
+from .timeouts import time_limit
+
 
 class _Replica(_VLLMStandIn):
     delay = 0.0  # seconds each scoring request takes on top of the scoring
@@ -418,7 +420,7 @@ def test_a_process_exits_at_once_after_the_pool_gives_up(tmp_path):
     not wait at exit for the hung request (until its 300 s timeout), as it did for an executor's worker thread."""
     script = tmp_path / "gives_up.py"
     script.write_text(_GIVES_UP)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=time_limit(120))
     ended = time.time()
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("GAVE_UP")]

@@ -9,7 +9,7 @@ from tvopd_trl.checks import check_inputs
 from tvopd_trl.rewards import accuracy_reward, final_answer
 from tvopd_trl.testing import tiny_config
 from tvopd_trl.tiny import prompt_dataset
-from tvopd_trl.tools import assemble_sampler_logps, mask_runs, turn_requests
+from tvopd_trl.tools import ToolLoopMixin, assemble_sampler_logps, mask_runs, turn_requests
 
 
 def test_mask_runs():
@@ -22,6 +22,75 @@ def test_turn_requests_ask_no_more_tokens_than_fit_in_the_context():
     assert turn_requests([10, 30, 24, 60, 30], 40, 64) == [(40, [0, 2]), (34, [1, 4]), (4, [3])]
     assert turn_requests([10, 30], 40, None) == [(40, [0, 1])]
     assert turn_requests([70], 40, 64) == [(1, [0])]  # no room at all: vLLM's own error names the context
+
+
+@pytest.mark.parametrize(("served", "context"), [(48, 48), (None, 128), (256, 128)])
+def test_tool_turns_on_a_server_fit_its_max_model_len(served, context):
+    """In server mode, TRL's tool loop checks tool results against the model's `max_position_embeddings` (128 here),
+    and each turn's requests were split against it too: a server started with a shorter `--max-model-len` (48) then
+    refused the next turn (HTTP 400), stopping the run. Both now read the smaller of the two, the server's from vLLM's
+    model card (`GET /v1/models`, here a stand-in; a server that gives none leaves the model's)."""
+    import http.server
+    import json
+    import threading
+    import types
+
+    import requests
+
+    card = {"id": "student", "object": "model", **({} if served is None else {"max_model_len": served})}
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"object": "list", "data": [card]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    class Loop:  # TRL's trainer under the mixin: its loop's context check, then a turn's sampling
+        def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, images, multimodal_fields):
+            self.checked_against = self.model.config.max_position_embeddings
+            self._sample_tool_turn(prompt_ids)
+            return prompt_ids, completions, None, None, None
+
+    class Trainer(ToolLoopMixin, Loop):
+        pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sent = []
+
+    def generate(prompts, images, num_generations):
+        sent.append((generation.max_completion_length, len(prompts)))
+        return None, [[7]] * len(prompts), [[[-0.5]]] * len(prompts), None
+
+    client = types.SimpleNamespace(session=requests.Session(), base_url=f"http://127.0.0.1:{server.server_address[1]}")
+    generation = types.SimpleNamespace(max_completion_length=40, vllm_client=client, generate=generate)
+    trainer = Trainer()
+    trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation = True, "server", generation
+    trainer.model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=128))
+    try:
+        trainer._tool_call_loop(None, [[1] * 10, [1] * 30], None, ["conversation"], None, None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert trainer.checked_against == context
+    # Prompts of 10 and 30 tokens, 40 per turn: within 48 positions, room for 38 and 18
+    assert sent == ([(38, 1), (18, 1)] if context == 48 else [(40, 2)])
+    assert trainer.model.config.max_position_embeddings == 128 and generation.max_completion_length == 40
+    assert trainer._tool_completions == ["conversation"]
+
+
+def test_trl_s_tool_loop_reads_the_context_the_mixin_lends_it():
+    """The mixin lends TRL's tool-result check the served context through the model config's
+    `max_position_embeddings`, which TRL 1.16 reads outside colocate mode: a TRL that reads it elsewhere fails here."""
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    source = inspect.getsource(DistillationTrainer._tool_call_loop)
+    assert "max_model_len = config.max_position_embeddings" in source
 
 
 def test_without_tools_the_single_turn_is_the_completion():

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from .timeouts import time_limit
+
 
 TRAIN = """
 import json, sys
@@ -32,7 +34,10 @@ CHECKED = ("tv/scale", "tv/estimate", "tv/ema", "eval/tiny/mean@1")
 def _train(backend, tmp_path, **env):
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     subprocess.run(
-        [sys.executable, "-c", TRAIN, backend, str(tmp_path / "run")], env=environment, check=True, timeout=600
+        [sys.executable, "-c", TRAIN, backend, str(tmp_path / "run")],
+        env=environment,
+        check=True,
+        timeout=time_limit(600),
     )
     history = json.loads((tmp_path / "run" / "log_history.json").read_text())
     expected = {(e["step"], key): e[key] for e in history for key in CHECKED if key in e}

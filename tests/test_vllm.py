@@ -23,6 +23,7 @@ from tvopd_trl.tiny import multi_skill_prompt_dataset, prompt_dataset, vllm_path
 from tvopd_trl.trainer import TVOPDTrainer
 
 from .padded_student import save_padded_student
+from .timeouts import time_limit
 
 
 pytestmark = [
@@ -53,7 +54,7 @@ def servers(tmp_path_factory):
         "student": LocalVLLMServer(PAIR["student"], log_dir),
     }
     try:
-        yield {name: server.wait_ready() for name, server in started.items()}
+        yield {name: server.wait_ready(time_limit(600)) for name, server in started.items()}
     finally:
         for server in started.values():
             server.stop()
@@ -104,7 +105,7 @@ def test_served_teacher_scores_like_the_local_teacher(servers, tokenizer, tmp_pa
 
 def test_a_pool_of_real_servers_loses_a_replica_mid_run_with_the_same_numbers(servers, tokenizer, tmp_path):
     _, local_logs = run(tmp_path / "local", tokenizer)
-    replica = LocalVLLMServer(PAIR["teacher"], str(tmp_path)).wait_ready()
+    replica = LocalVLLMServer(PAIR["teacher"], str(tmp_path)).wait_ready(time_limit(600))
 
     class KillReplica(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -128,7 +129,7 @@ def test_a_pool_of_real_servers_loses_a_replica_mid_run_with_the_same_numbers(se
 def server_logps(url, sequence, prompt_length):
     from trl.generation.vllm_client import VLLMClient
 
-    client = VLLMClient(base_url=url, connection_timeout=5)
+    client = VLLMClient(base_url=url, connection_timeout=time_limit(5))
     values = client.get_sequence_logprobs([sequence], [prompt_length], top_logprobs=1)["actual_logprobs"][0]
     return torch.tensor([value[0] for value in values])
 
@@ -208,7 +209,7 @@ def test_the_main_job_with_server_rollouts_closes_half_the_gap(servers, tmp_path
         "--eval_every_steps",
         "0",
     ]
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1200)
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=time_limit(1200))
     summary = json.load(open(tmp_path / "job" / "summary.json"))
     assert summary["gap_closed"] >= 0.5, summary
 
@@ -240,7 +241,7 @@ def logs_in_own_process(module, function, output_dir):
         text=True,
         env=env,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        timeout=900,
+        timeout=time_limit(900),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -261,7 +262,7 @@ def test_colocate_mode_in_one_process(tmp_path):
 def padded_student(tmp_path, tokenizer):
     """The vLLM-ready student with 20 padded output rows beyond its 300-token tokenizer (`save_padded_student`), served."""
     path = save_padded_student(tokenizer, tmp_path / "padded")
-    server = LocalVLLMServer(path, str(tmp_path)).wait_ready()
+    server = LocalVLLMServer(path, str(tmp_path)).wait_ready(time_limit(600))
     yield path, server
     server.stop()
 
@@ -271,7 +272,7 @@ def test_padded_ids_are_never_sampled_by_vllm(padded_student, tokenizer, tmp_pat
     from trl.generation.vllm_client import VLLMClient
 
     prompts = [prompt_ids(tokenizer, row["prompt"]) for row in prompt_dataset("opd", 8)]
-    unrestricted = VLLMClient(base_url=server.url, connection_timeout=5).generate(prompts, max_tokens=8)
+    unrestricted = VLLMClient(base_url=server.url, connection_timeout=time_limit(5)).generate(prompts, max_tokens=8)
     assert any(token >= len(tokenizer) for ids in unrestricted["completion_ids"] for token in ids)  # the test can fail
 
     sampled = []
@@ -310,7 +311,7 @@ def test_several_teachers_each_served_by_its_own_server(servers, tokenizer, tmp_
     halfway.save_pretrained(tmp_path / "halfway")
     tokenizer.save_pretrained(tmp_path / "halfway")
     teachers = {"addition": PAIR["teacher"], "subtraction": str(tmp_path / "halfway")}
-    halfway_server = LocalVLLMServer(teachers["subtraction"], str(tmp_path)).wait_ready()
+    halfway_server = LocalVLLMServer(teachers["subtraction"], str(tmp_path)).wait_ready(time_limit(600))
     prompts = multi_skill_prompt_dataset("opd").select(range(32))
     overrides = dict(tv_scale_per_teacher=True, tv_reference_min_tokens=1)
     metrics = [f"tv/{name}/{metric}" for name in teachers for metric in ("estimate", "ema", "reference", "scale")]
@@ -349,7 +350,7 @@ def test_scores_depend_on_the_batch_only_within_float_tolerance(servers, tokeniz
     alone = pool.score(batch, temperature=1.0)
     mask = batch["completion_mask"].bool()
     assert (together - alone)[mask].abs().max() < LOGP_TOLERANCE
-    requests.post(f"{servers['teacher'].url}/reset_prefix_cache", timeout=10)
+    requests.post(f"{servers['teacher'].url}/reset_prefix_cache", timeout=time_limit(10))
 
 
 def test_a_task_reward_with_server_rollouts(servers, tokenizer, tmp_path):

@@ -26,6 +26,7 @@ from tvopd_trl.trainer import TVOPDTrainer
 from tvopd_trl.tv import TVScheduler
 
 from .test_vllm import pytestmark  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
+from .timeouts import time_limit
 
 
 PAIR = vllm_paths()
@@ -37,7 +38,7 @@ LOGP_TOLERANCE = 1e-4
 def server(tmp_path_factory):
     started = LocalVLLMServer(PAIR["student"], tmp_path_factory.mktemp("vllm-logs"))
     try:
-        yield started.wait_ready()
+        yield started.wait_ready(time_limit(600))
     finally:
         started.stop()
 
@@ -207,7 +208,7 @@ def test_the_server_holds_the_trained_weights_after_the_last_step(trained, serve
     )
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     sequence = prompt_ids + tokenizer("\\boxed{46}<|im_end|>")["input_ids"]
-    served = VLLMClient(base_url=server.url, connection_timeout=5).get_sequence_logprobs(
+    served = VLLMClient(base_url=server.url, connection_timeout=time_limit(5)).get_sequence_logprobs(
         [sequence], [len(prompt_ids)], top_logprobs=1
     )["actual_logprobs"][0]
     with torch.no_grad():
@@ -282,9 +283,12 @@ def test_a_killed_run_resumes_through_the_cli_sampling_with_the_restored_weights
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 600
+    deadline = time.monotonic() + time_limit(600)
     while not (output_dir / "checkpoint-3" / "trainer_state.json").is_file():
-        assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise TimeoutError(f"no checkpoint-3 within {time_limit(600):g} s")
         time.sleep(0.05)
     time.sleep(0.5)  # a step or more past the checkpoint: the server now holds later weights than the checkpoint's
     os.killpg(process.pid, signal.SIGKILL)
@@ -301,7 +305,7 @@ def test_a_killed_run_resumes_through_the_cli_sampling_with_the_restored_weights
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=time_limit(600),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     logs = step_logs(json.loads((output_dir / "log_history.json").read_text()))
@@ -334,7 +338,7 @@ def test_two_processes_train_on_their_shares_of_each_batch_sampled_ahead(server,
 def test_with_two_processes_a_server_failure_found_at_a_weight_sync_stops_both_with_one_error(tmp_path):
     from .test_distributed import launch
 
-    dying = LocalVLLMServer(PAIR["student"], tmp_path).wait_ready()
+    dying = LocalVLLMServer(PAIR["student"], tmp_path).wait_ready(time_limit(600))
     try:
         first, second = launch(
             "ddp_cpu.yaml",
@@ -366,25 +370,62 @@ def test_a_train_that_raises_leaves_no_request_behind(server, tokenizer, tmp_pat
     assert all(end <= raised for _, _, end in traffic["requests"])
 
 
+def test_a_ctrl_c_while_the_server_answers_nothing_reaches_the_caller_within_seconds(server, tokenizer, tmp_path):
+    """A SIGINT 3 s after the server's processes were stopped (SIGSTOP, after step 1: it accepts connections and
+    answers nothing). The trainer is then waiting on the producer's request; `train()` closes that request's
+    connection rather than wait `vllm_server_request_timeout` (900 s) for it. Before: it waited for the request."""
+
+    def interrupt():
+        interrupted["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupted, timer = {}, threading.Timer(3.0, interrupt)
+
+    class StopServer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.killpg(server.process.pid, signal.SIGSTOP)
+                timer.start()
+
+    trainer = async_trainer(tmp_path, server, tokenizer, callbacks=[StopServer()], max_steps=6)
+    traffic = record_server_traffic(trainer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        returned = time.monotonic()
+    finally:
+        timer.cancel()
+        os.killpg(server.process.pid, signal.SIGCONT)
+    assert returned - interrupted["at"] < 10
+    assert producer_threads() == [] and trainer._rollouts is None
+    assert all(end <= returned for _, _, end in traffic["requests"])  # the request in flight ended, aborted
+    assert trainer.state.global_step in (1, 2)
+
+
 def test_a_stuck_server_is_waited_for_with_warnings_then_stops_the_run_naming_it(
     server, tokenizer, tmp_path, monkeypatch
 ):
-    """The server's processes are stopped (SIGSTOP) after step 2, in the middle of the run: it accepts connections and
-    answers nothing, as a hung server does. Resumed at the end for the module's last test."""
+    """The server's processes are stopped (SIGSTOP) as the producer sends the request for batch 3, right after step 2's
+    weight sync: it accepts the connection and answers nothing, as a hung server does, and step 3's weight sync waits
+    for that request. Stopped from the request itself, not from a callback, which a 20 ms request could beat. Resumed
+    at the end for the module's last test."""
     from transformers.testing_utils import CaptureLogger
 
     from tvopd_trl import async_rollouts
 
     monkeypatch.setattr(async_rollouts, "WAIT_WARNING_INTERVAL", 1.0)
+    trainer = async_trainer(tmp_path, server, tokenizer, max_steps=6, vllm_server_request_timeout=5)
+    session = trainer.vllm_generation.vllm_client.session
+    send, generations = session.request, []
 
-    class StopServer(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 2:
+    def stop_at_batch_3(method, url, **kwargs):
+        if "completions" in url:
+            generations.append(url)
+            if len(generations) == 4:  # batches 0, 1, 2, then 3
                 os.killpg(server.process.pid, signal.SIGSTOP)
+        return send(method, url, **kwargs)
 
-    trainer = async_trainer(
-        tmp_path, server, tokenizer, callbacks=[StopServer()], max_steps=6, vllm_server_request_timeout=5
-    )
+    session.request = stop_at_batch_3
     start = time.monotonic()
     try:
         with CaptureLogger(async_rollouts.logger) as captured, pytest.raises(RolloutServerError) as raised:

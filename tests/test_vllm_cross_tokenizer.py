@@ -13,6 +13,7 @@ from .test_vllm import (
     LOGP_TOLERANCE,
     pytestmark,  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
 )
+from .timeouts import time_limit
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def teacher(tmp_path_factory):
     path = save_other_family_teacher(tmp_path_factory.mktemp("other_family") / "teacher")
     server = LocalVLLMServer(path, tmp_path_factory.mktemp("vllm-logs"), max_model_len=128)
     try:
-        yield path, server.wait_ready()
+        yield path, server.wait_ready(time_limit(600))
     finally:
         server.stop()
 

@@ -21,6 +21,7 @@ from tvopd_trl.eval import SamplingSettings, TransformersGenerator, VLLMGenerato
 from tvopd_trl.tiny import vllm_paths
 
 from .padded_student import save_padded_student
+from .timeouts import time_limit
 
 
 pytestmark = [
@@ -100,7 +101,7 @@ def test_cli_evaluates_with_the_vllm_backend(tmp_path):
     # A process of its own, as a user runs it: vLLM's engine is a process it spawns from the command's
     command = [sys.executable, "-m", "tvopd_trl.cli", "eval", *common, "--backend", "vllm", *vllm_flags]
     result = subprocess.run(
-        [*command, "--output_dir", str(tmp_path / "vllm")], capture_output=True, text=True, timeout=900
+        [*command, "--output_dir", str(tmp_path / "vllm")], capture_output=True, text=True, timeout=time_limit(900)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (

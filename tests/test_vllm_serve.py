@@ -23,6 +23,7 @@ from tvopd_trl.vllm_server import server_command
 
 from .test_vllm import LOGP_TOLERANCE, local_logps, prompt_ids, server_logps
 from .test_vllm import pytestmark as needs_vllm
+from .timeouts import time_limit
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,14 +261,14 @@ def served(tmp_path_factory):
     teacher = ["vllm-serve", "--role", "teacher", "--model", PAIR["teacher"], "--max-model-len", "48"]
     started = {"rollouts": ServedByTheCommand(serve, log_dir), "teacher": ServedByTheCommand(teacher, log_dir)}
     try:
-        yield {role: server.wait_ready() for role, server in started.items()}
+        yield {role: server.wait_ready(time_limit(600)) for role, server in started.items()}
     finally:
         for server in started.values():
             server.stop()
 
 
 def routes(server):
-    return requests.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
+    return requests.get(f"{server.url}/openapi.json", timeout=time_limit(30)).json()["paths"]
 
 
 def checked_sequence(tokenizer):
@@ -289,7 +290,7 @@ def test_the_readme_s_vllm_main_job_loads_the_student_s_weights_into_the_server(
         [PYTHON, "-m", "tvopd_trl.cli", *train, *overrides],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=time_limit(900),
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -312,7 +313,7 @@ def test_a_teacher_server_scores_like_the_teacher_without_development_endpoints(
     server = served["teacher"]
     assert f"train with `--teacher_model_server_url {server.url}`" in server.first_line()
     assert "/collective_rpc" not in routes(server)
-    models = requests.get(f"{server.url}/v1/models", timeout=30).json()["data"]
+    models = requests.get(f"{server.url}/v1/models", timeout=time_limit(30)).json()["data"]
     assert [model["max_model_len"] for model in models] == [48]  # the vLLM flag passed through
     tokenizer = AutoTokenizer.from_pretrained(PAIR["teacher"])
     sequence, prompt_length = checked_sequence(tokenizer)

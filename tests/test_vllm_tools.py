@@ -24,6 +24,7 @@ from tvopd_trl.tools import mask_runs
 from tvopd_trl.trainer import TVOPDTrainer
 
 from .test_vllm import logs_in_own_process
+from .timeouts import time_limit
 
 
 pytestmark = [
@@ -108,7 +109,7 @@ def tokenizer():
 def server(tmp_path_factory):
     server = LocalVLLMServer(PAIR["student"], tmp_path_factory.mktemp("vllm-logs"))
     try:
-        yield server.wait_ready()
+        yield server.wait_ready(time_limit(600))
     finally:
         server.stop()
 
@@ -207,6 +208,21 @@ def test_every_assistant_turn_keeps_the_servers_log_probabilities(forced_tool_ca
     assert called and all(c[1]["role"] == "tool" for c in called)
     failed = [c for c in called if "error" in c[1]["content"]]
     assert failed and len(failed) < len(called)  # where 3 divides a, `add` raised
+
+
+def test_tool_turns_fit_a_server_with_a_shorter_context_than_the_model(forced_tool_calls, tokenizer, tmp_path):
+    """A rollout server started with `--max-model-len 48` for the student's 64 positions. The trainer read the model's
+    64 in server mode, for TRL's check of tool results as for each turn's request: vLLM refused the first turn (17
+    prompt tokens and 40 to sample) with an HTTP 400 that stopped the run. Every turn now fits the server's 48."""
+    server = LocalVLLMServer(PAIR["student"], str(tmp_path), max_model_len=48).wait_ready(time_limit(600))
+    try:
+        trainer = tool_trainer(server, tokenizer, tmp_path)
+        rows = rows_of(trainer.generate_completions(prompt_dataset("opd", 16).to_list()))
+    finally:
+        server.stop()
+    assert all(len(row["prompt"]) + len(row["completion"]) <= 48 for row in rows)
+    assert any(0 in row["tool_mask"] for row in rows)
+    assert trainer.model.config.max_position_embeddings == 64  # read as the server's only inside TRL's loop
 
 
 def replace_tool_result(batch, row, tokens, pad_id):

@@ -12,6 +12,8 @@ from tvopd_trl.scripts.train import run
 from tvopd_trl.testing import LocalVLLMServer
 from tvopd_trl.tiny import tools_paths
 
+from .timeouts import time_limit
+
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "tiny" / "tools_vllm_server.yaml"
 
@@ -25,7 +27,7 @@ pytestmark = [
 def server(tmp_path_factory):
     served = LocalVLLMServer(tools_paths()["student"], str(tmp_path_factory.mktemp("vllm")), max_model_len=128)
     try:
-        yield served.wait_ready()
+        yield served.wait_ready(time_limit(600))
     finally:
         served.stop()
 

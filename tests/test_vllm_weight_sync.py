@@ -13,13 +13,14 @@ from tvopd_trl.trainer import TVOPDTrainer
 from tvopd_trl.vllm_server import server_command
 
 from .test_vllm import pytestmark  # noqa: F401  (the `vllm` marker, and skipped without vLLM, as its tests)
+from .timeouts import time_limit
 
 
 PAIR = vllm_paths()
 
 
 def test_a_server_restarted_without_dev_mode_fails_the_sync_with_the_fix(tmp_path, monkeypatch):
-    server = LocalVLLMServer(PAIR["student"], str(tmp_path)).wait_ready()
+    server = LocalVLLMServer(PAIR["student"], str(tmp_path)).wait_ready(time_limit(600))
     restarted = None
     try:
         args = tiny_config(
@@ -45,7 +46,7 @@ def test_a_server_restarted_without_dev_mode_fails_the_sync_with_the_fix(tmp_pat
         monkeypatch.setattr(
             vllm_server, "server_command", lambda model, role, *args: server_command(model, "teacher", *args)
         )
-        restarted = LocalVLLMServer(PAIR["student"], str(tmp_path / "restarted")).wait_ready()
+        restarted = LocalVLLMServer(PAIR["student"], str(tmp_path / "restarted")).wait_ready(time_limit(600))
         assert restarted.url == server.url
 
         # Before: requests.HTTPError "404 Client Error: Not Found for url: .../collective_rpc"

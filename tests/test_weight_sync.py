@@ -23,6 +23,7 @@ from tvopd_trl.tiny import student_path
 from tvopd_trl.vllm_weight_sync import CPUWeightSyncGeneration, cpu_weight_sync
 
 from .test_distributed import NUM_PROCESSES, launch
+from .timeouts import time_limit
 
 
 def lora_student(dtype, **lora):
@@ -200,7 +201,7 @@ def test_overlapping_constructions_restore_trl_s_class(monkeypatch):
     def build(name, inside, wait_for, left=None):
         with cpu_weight_sync(f"/weights/{name}"):
             inside.set()
-            wait_for.wait(timeout=1)  # stands for `DistillationTrainer.__init__`
+            wait_for.wait(timeout=time_limit(1))  # stands for `DistillationTrainer.__init__`
             seen[name] = distillation_trainer.VLLMGeneration
         if left is not None:
             left.set()

@@ -24,6 +24,9 @@ import collections
 import contextlib
 import copy
 import functools
+import inspect
+import pickle
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -31,12 +34,16 @@ from dataclasses import dataclass
 from accelerate.utils import broadcast_object_list
 from datasets import IterableDataset
 from transformers.utils import logging
+from urllib3.exceptions import ProtocolError, ReadTimeoutError
+from urllib3.util.retry import Retry
 
 
 logger = logging.get_logger(__name__)
 
 # Seconds between the warnings of a trainer that waits on the rollout server
 WAIT_WARNING_INTERVAL = 60.0
+# Seconds a producer closed on an error or a Ctrl-C gives its thread to end, once the request in flight was aborted
+ABANDON_WAIT = 3.0
 
 
 def check_async_setup(args, train_dataset):
@@ -69,27 +76,56 @@ def check_async_setup(args, train_dataset):
         )
 
 
+class TimeoutIsFinal(Retry):
+    """urllib3's `Retry`, except that a request whose answer timed out (or whose sending did) is not sent again.
+    urllib3 counts a timeout a read error, as it counts a connection the server closed before answering, which a read
+    retry still sends again."""
+
+    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+        cause = error.args[-1] if isinstance(error, ProtocolError) and error.args else None
+        if isinstance(error, ReadTimeoutError) or isinstance(cause, TimeoutError):
+            raise error.with_traceback(_stacktrace)
+        return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    @classmethod
+    def like(cls, retry, **changes):
+        """`retry`'s settings, with `changes`, in this class (`Retry.new` keeps the class of what it copies)."""
+        settings = {name: getattr(retry, name) for name in inspect.signature(Retry).parameters}
+        return cls(**{**settings, **changes})
+
+
 def bound_request_time(client, timeout):
-    """Gives every request of TRL's `VLLMClient` `client` that sets no timeout of its own (a rollout's generation) at
-    most `timeout` seconds, after which it raises a [`RolloutServerError`] naming the server. TRL's client sets none,
-    so a server that stops answering would hang the run. A request that timed out is not sent again: TRL's retries of
-    a failed read would generate the batch anew, each time for as long."""
+    """Gives every request of TRL's `VLLMClient` `client` (to the rollout server: a rollout's generation, the weight
+    sync, the prefix-cache reset) at most `timeout` seconds, `vllm_server_request_timeout`, after which it raises a
+    [`RolloutServerError`] naming the server and that setting. TRL's client sets none, so a server that stops
+    answering would hang the run. A request that sets its own timeout keeps it, and its `requests.Timeout`.
+
+    Of TRL's 5 retries of a failed read, one is kept, for a connection the server closed before answering (a
+    keep-alive connection it had dropped, a restart): such a request is sent once more. A request that timed out is
+    not sent again ([`TimeoutIsFinal`]): it would generate the batch anew, each time for as long."""
     import requests
 
     adapter = client.session.get_adapter(client.base_url)
-    adapter.max_retries = adapter.max_retries.new(read=False)
+    adapter.max_retries = TimeoutIsFinal.like(adapter.max_retries, read=1)
     send = client.session.request
 
     def request(method, url, **kwargs):
-        kwargs.setdefault("timeout", timeout)
+        if kwargs.get("timeout") is not None:
+            return send(method, url, **kwargs)
+        kwargs["timeout"] = timeout
         try:
             return send(method, url, **kwargs)
         except requests.Timeout as error:
+            reason = f"did not answer {method} {url} within {timeout} s (vllm_server_request_timeout)"
+            fix = (
+                "Check that it runs and is not overloaded (or raise vllm_server_request_timeout if its answers take "
+                "this long)"
+            )
             raise RolloutServerError(
-                f"The vLLM rollout server at {client.base_url} did not answer {method} {url} within "
-                f"{kwargs['timeout']} s (vllm_server_request_timeout). Check that it runs and is not overloaded; raise "
-                "vllm_server_request_timeout if its generations are this long; resume from the last checkpoint "
-                "(`--resume_from_checkpoint last`)."
+                f"The vLLM rollout server at {client.base_url} {reason}. {fix} and resume from the last checkpoint "
+                "(`--resume_from_checkpoint last`).",
+                reason=reason,
+                fix=fix,
             ) from error
 
     client.session.request = request
@@ -130,8 +166,70 @@ def rollout_batches(dataset, sampler, rows_per_rollout, start=0):
             index, indices = index + 1, []
 
 
+@functools.cache
+def _recording_pool(pool_class):
+    """`pool_class` (a urllib3 connection pool class) recording, per thread, the connection it handed out."""
+
+    class RecordingPool(pool_class):
+        records_connections = True
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.in_use = {}  # thread id -> its connection; a thread's next request replaces a stale one
+
+        def _get_conn(self, timeout=None):
+            connection = super()._get_conn(timeout)
+            self.in_use[threading.get_ident()] = connection
+            return connection
+
+        def _put_conn(self, connection):
+            self.in_use.pop(threading.get_ident(), None)
+            super()._put_conn(connection)
+
+    return RecordingPool
+
+
+def abortable_requests(session):
+    """Returns `abort()`, which ends the requests in flight on `session` (a `requests.Session`) from another thread:
+    it shuts their sockets down, and each fails at once with a `ConnectionError`. Closing the session would only close
+    its idle connections, not the one a request waits on. The session stays usable: later requests connect anew."""
+    managers = [adapter.poolmanager for adapter in session.adapters.values() if hasattr(adapter, "poolmanager")]
+    for manager in managers:
+        classes = manager.pool_classes_by_scheme
+        if not all(getattr(pool_class, "records_connections", False) for pool_class in classes.values()):
+            manager.pool_classes_by_scheme = {scheme: _recording_pool(cls) for scheme, cls in classes.items()}
+            manager.clear()  # the pools opened so far record nothing
+
+    def abort():
+        for manager in managers:
+            pools = [manager.pools.get(key) for key in manager.pools.keys()]
+            manager.clear()
+            for pool in filter(None, pools):
+                pool.close()  # first: a retry of the aborted request finds its pool closed, and fails too
+                for connection in list(getattr(pool, "in_use", {}).values()):
+                    with contextlib.suppress(OSError, AttributeError):
+                        connection.sock.shutdown(socket.SHUT_RDWR)
+
+    return abort
+
+
+def shareable(error):
+    """`error`, or a `RuntimeError` with its text where it does not survive pickling: what a broadcast can carry."""
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001  (any exception can fail to pickle in its own way)
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 class RolloutServerError(RuntimeError):
-    """The rollout server failed while it sampled ahead: the rollout batch is lost, and no update used any of it."""
+    """The rollout server failed while it sampled ahead: the rollout batch is lost, and no update used any of it.
+
+    `reason` and `fix`, where given (a request that timed out), say what the server did and what to do, so that a
+    message that reports the failure in its own context ([`RolloutProducer`]'s) says them once."""
+
+    def __init__(self, message, reason=None, fix=None):
+        super().__init__(message)
+        self.reason, self.fix = reason, fix
 
 
 @dataclass
@@ -171,13 +269,17 @@ class RolloutProducer:
             The weight version the server holds now (the trainer's `global_step`, after syncing).
         server (`str`):
             The server's URL, for error messages.
+        abort (`Callable[[], None]`, *optional*):
+            Ends the request in flight from another thread (see [`abortable_requests`]), when the producer is closed
+            with `abandon=True`.
     """
 
-    def __init__(self, request, max_staleness, version, server):
+    def __init__(self, request, max_staleness, version, server, abort=None):
         self.request = request
         self.max_staleness = max_staleness
         self.version = version
         self.server = server
+        self.abort = abort
         # Held around each request and each weight sync: the server never samples with half-updated weights
         self.lock = threading.Lock()
         self._condition = threading.Condition()
@@ -209,6 +311,8 @@ class RolloutProducer:
                 rollout = self._pending.popleft()
             with self.lock:
                 with self._condition:
+                    if self._stopped:  # closed while this thread waited for the lock (a weight sync, a callback)
+                        return
                     self._sampler_wait += time.monotonic() - idle_since
                 rollout.version = self.version
                 try:
@@ -226,10 +330,13 @@ class RolloutProducer:
                 self._condition.notify_all()
 
     def _failure(self, error, doing="sampling a rollout batch ahead of training"):
+        # A timed-out request's error (`bound_request_time`) gives what happened and its fix: said once, not nested
+        reason, fix = getattr(error, "reason", None), getattr(error, "fix", None)
+        happened = f"{reason} while {doing}" if reason else f"failed while {doing} ({type(error).__name__}: {error})"
         return RolloutServerError(
-            f"The vLLM rollout server at {self.server} failed while {doing} ({type(error).__name__}: {error}). No "
-            "update used any batch it did not finish; the checkpoints already written are untouched. Restart the "
-            "server and resume from the last checkpoint (`--resume_from_checkpoint last`)."
+            f"The vLLM rollout server at {self.server} {happened}. No update used any batch it did not finish; the "
+            f"checkpoints already written are untouched. {fix or 'Restart the server'} and resume from the last "
+            "checkpoint (`--resume_from_checkpoint last`)."
         )
 
     def _wait(self, ready, what):
@@ -304,13 +411,26 @@ class RolloutProducer:
             waited, self._sampler_wait = self._sampler_wait, 0.0
         return waited
 
-    def close(self):
+    def close(self, abandon=False):
         """Stops the thread, once the request in flight (if any) has ended: no request outlives the producer, and no
-        later weight sync lands in the middle of one. The request timeout bounds the wait."""
+        later weight sync lands in the middle of one. The request timeout bounds the wait.
+
+        With `abandon=True` (training leaves on an error or a Ctrl-C), the request in flight samples a batch no step
+        will use: it is aborted, not waited for. A thread that outlives `ABANDON_WAIT` seconds, where `abort` could not
+        reach its request, only finishes that request: it sends no other and touches nothing of the trainer's."""
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
-        self._wait(self._ended, "the end of the request in flight, before the producer stops")
+        if not abandon:
+            self._wait(self._ended, "the end of the request in flight, before the producer stops")
+            return
+        if self.abort is not None:
+            self.abort()
+        if not self._ended(ABANDON_WAIT):
+            logger.warning(
+                f"The request in flight to the vLLM server at {self.server} did not end when training stopped; it is "
+                "left to finish on its own, and its batch is discarded."
+            )
 
     def _ended(self, timeout):
         self._thread.join(timeout)
@@ -342,11 +462,16 @@ class AsyncRolloutMixin:
     _trainer_wait = 0.0
 
     def train(self, *args, **kwargs):
+        finished = False
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(*args, **kwargs)
+            finished = True
+            return output
         finally:
             if self._rollouts is not None:
-                self._rollouts.close()
+                # A run that ends waits for the request in flight; one that leaves on an error or a Ctrl-C aborts it,
+                # rather than wait up to `vllm_server_request_timeout` for a batch no step will use
+                self._rollouts.close(abandon=not finished)
             self._rollout_stream = self._rollouts = self._taken_rollout = None
 
     def _rollout_lock(self):
@@ -371,6 +496,7 @@ class AsyncRolloutMixin:
                 self.args.max_staleness,
                 version,
                 server=client.base_url,
+                abort=abortable_requests(client.session) if hasattr(client, "session") else None,
             )
             for index in range(version, version + self.args.max_staleness + 1):
                 self._submit_rollout(index)
@@ -385,21 +511,24 @@ class AsyncRolloutMixin:
 
     def _take_rollout(self):
         """This process's rows of the rollout batch of this step, its completions kept for `_taken_completions`."""
-        if self._rollout_stream is None:
-            self._start_rollouts()
         index = self.state.global_step
-        payload = None
-        if self._rollouts is not None:
-            try:
+        payload = error = None
+        try:
+            if self._rollout_stream is None:
+                self._start_rollouts()
+            if self._rollouts is not None:
                 rollout, statistics = self._rollouts.take(index)
-            except RolloutServerError as failure:
-                payload = failure  # every process raises it, rather than wait for a batch that will not come
-            else:
                 self._submit_rollout(index + self.args.max_staleness + 1)
                 payload = (rollout.prompt_ids, rollout.completion_ids, rollout.logprobs, statistics)
                 rows = rollout.rows
+        except Exception as raised:
+            # A server failure, a prompt that tokenizes to nothing, a batch out of order: the main process's error is
+            # sent to every process, which raises it rather than wait for a batch that will not come
+            error, payload = raised, shareable(raised)
         payload = self._from_main_process(payload)
-        if isinstance(payload, RolloutServerError):
+        if error is not None:
+            raise error
+        if isinstance(payload, Exception):
             raise payload
         if self._rollouts is None:
             rows = next(self._rollout_stream)

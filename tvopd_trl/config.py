@@ -190,10 +190,12 @@ class TVOPDConfig(DistillationConfig):
             (docs/vllm.md). Without `vllm_importance_sampling_correction` the stale samples enter the loss as if drawn
             from pi_old: allowed for ablations, with a warning.
         vllm_server_request_timeout (`float`, *optional*, defaults to `900.0`):
-            Seconds one rollout request to the vLLM server (`vllm_mode="server"`: a rollout batch's generation) may
-            take. A server that does not answer in time stops the run with one error naming its URL, rather than
-            hanging it: TRL's client sets no timeout. Raise it for long generations; with several processes keep it
-            below `ddp_timeout`, or the others, waiting in a collective, time out first.
+            Seconds one request to the vLLM rollout server (`vllm_mode="server"`: a rollout batch's generation, a
+            weight sync, the prefix-cache reset) may take. A server that does not answer in time stops the run with
+            one error naming its URL and this setting, rather than hanging it: TRL's client sets no timeout. A request
+            that timed out is not sent again; one whose connection the server closed before answering is, once. Raise
+            it for long generations; with several processes keep it below `ddp_timeout`, or the others, waiting in a
+            collective, time out first. (`vllm_server_timeout` is only the wait for the server at start-up.)
 
         > Parameters that control a served teacher
 
@@ -392,7 +394,7 @@ class TVOPDConfig(DistillationConfig):
 
     vllm_server_request_timeout: float = field(
         default=900.0,
-        metadata={"help": "Seconds one rollout request to the vLLM server may take before the run stops."},
+        metadata={"help": "Seconds one request to the vLLM rollout server may take before the run stops."},
     )
 
     # Several teachers: a mapping by name (docs/multi-teacher.md)

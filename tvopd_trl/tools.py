@@ -22,6 +22,7 @@ the batch's order; a turn cut to fit `max_completion_length` is the row's last. 
 are its turns, in order, the last one possibly cut short (or cut to nothing).
 """
 
+import functools
 import itertools
 
 
@@ -41,6 +42,14 @@ def turn_requests(lengths, max_tokens, context):
         room = max_tokens if context is None else max(min(max_tokens, context - length), 1)
         requests.setdefault(room, []).append(row)
     return sorted(requests.items(), reverse=True)
+
+
+def served_max_model_len(client):
+    """The context of the vLLM server of TRL's `VLLMClient` `client` (its `--max-model-len`), as vLLM's model card
+    (`GET /v1/models`) gives it; `None` from a server that gives none."""
+    response = client.session.get(f"{client.base_url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0].get("max_model_len")
 
 
 def assemble_sampler_logps(turns, tool_masks):
@@ -96,18 +105,28 @@ class ToolLoopMixin:
     _sampler_logps = None
     _tool_completions = None
 
+    @functools.cached_property
+    def _tool_context(self):
+        """The positions a tool turn's prompt and sampled tokens must fit in under vLLM: the colocated engine's
+        `max_model_len`, as TRL's tool loop reads it; on a server, the smaller of its `--max-model-len` and the model's
+        `max_position_embeddings`, since the server samples the turn and the model scores it (`None`: no limit)."""
+        generation = self.vllm_generation
+        if self.vllm_mode == "colocate":
+            return generation.llm.llm_engine.model_config.max_model_len
+        limits = (
+            getattr(self.model.config, "max_position_embeddings", None),
+            served_max_model_len(generation.vllm_client),
+        )
+        return min((limit for limit in limits if limit is not None), default=None)
+
     def _sample_tool_turn(self, prompt_ids):
         """vLLM's completions of `prompt_ids` (and their log-probabilities) in the requests `turn_requests` makes, within
         the context TRL's tool loop checks tool results against."""
         generation = self.vllm_generation
-        if self.vllm_mode == "colocate":
-            context = generation.llm.llm_engine.model_config.max_model_len
-        else:
-            context = getattr(self.model.config, "max_position_embeddings", None)
         budget = generation.max_completion_length
         completion_ids, logprobs = [None] * len(prompt_ids), [None] * len(prompt_ids)
         try:
-            for max_tokens, rows in turn_requests([len(ids) for ids in prompt_ids], budget, context):
+            for max_tokens, rows in turn_requests([len(ids) for ids in prompt_ids], budget, self._tool_context):
                 generation.max_completion_length = max_tokens
                 _, sampled, sampled_logprobs, _ = generation.generate(
                     prompts=[prompt_ids[row] for row in rows], images=None, num_generations=1
@@ -127,7 +146,19 @@ class ToolLoopMixin:
         return prompt_ids, completion_ids, tool_mask, images, tool_images
 
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, images, multimodal_fields):
+        # In server mode TRL checks tool results against the model's `max_position_embeddings` alone: a server with a
+        # shorter `--max-model-len` would refuse the turn after a result that passed, and stop the run. The check
+        # reads the served context while the loop runs (nothing else reads it meanwhile: no forward pass runs).
+        config, positions = self.model.config, None
+        if self.use_vllm and self.vllm_mode == "server" and self._tool_context is not None:
+            positions, config.max_position_embeddings = config.max_position_embeddings, self._tool_context
+        try:
+            result = super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, images, multimodal_fields
+            )
+        finally:
+            if positions is not None:
+                config.max_position_embeddings = positions
         # The conversations (assistant turns with their tool calls, and tool results) go to the reward functions
-        result = super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, images, multimodal_fields)
         self._tool_completions = result[1]
         return result

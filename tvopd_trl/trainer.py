@@ -188,12 +188,14 @@ class TVOPDTrainer(
         check_teacher_pools(args, pools)
         check_paths(model, local_teachers)
         teacher_tokenizers = teacher_processing_classes(teacher_processing_class, [*local_teachers, *served_teachers])
+        # name -> whether the teacher shares the student's vocabulary, checked once: each check reads both vocabularies
+        shared_vocabulary = {}
         for name, source in local_teachers.items():
             tokenizer = teacher_tokenizers[name]
             if tokenizer is None and isinstance(source, str):
                 tokenizer = teacher_tokenizers[name] = load_tokenizer(source, args.trust_remote_code)
-            if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):
-                check_shared_vocabulary(processing_class, tokenizer, args.cross_tokenizer)  # before any model loads
+            if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):  # before models load
+                shared_vocabulary[name] = check_shared_vocabulary(processing_class, tokenizer, args.cross_tokenizer)
 
         # `prepare_teacher` loads and places the teachers as the base trainer would its one, without its check that the
         # output layers have one size.
@@ -231,7 +233,7 @@ class TVOPDTrainer(
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
         # name -> TokenizerAlignment of each teacher with another tokenizer (`cross_tokenizer`)
-        self.alignments = check_loaded_trainer(self, teacher_tokenizers)
+        self.alignments = check_loaded_trainer(self, teacher_tokenizers, shared_vocabulary)
 
         # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
         # decided by bf16 rounding.
@@ -375,7 +377,9 @@ class TVOPDTrainer(
             completion_ids, logprobs = self._taken_completions(prompt_ids)
         else:
             # The base path discards vLLM's log-probabilities; keep the sampled token's for the importance correction.
-            if self.state.global_step != self._last_loaded_step:
+            # With asynchronous rollouts, the sync after each optimizer step has already loaded the weights, under the
+            # producer's lock; in a callback's `on_optimizer_step`, `global_step` does not count that step yet.
+            if self._rollout_stream is None and self.state.global_step != self._last_loaded_step:
                 self.vllm_generation.sync_weights()
                 self._last_loaded_step = self.state.global_step
             with self._rollout_lock():
@@ -562,12 +566,7 @@ class TVOPDTrainer(
             # it reads the rollout's tokens, whatever the current student gives them.
             first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
             if not in_rollout or first_pass:
-                tv = torch.stack(
-                    [
-                        self._tv_sums(rollout_delta.where((scale_index == index).unsqueeze(1)), tv_weights, inputs)
-                        for index in range(len(scales))
-                    ]
-                )
+                tv = self._tv_sums(rollout_delta, scale_index, tv_weights, inputs.get("exact_tv", 0.0))
             if in_rollout and first_pass:
                 self._rollout_tv += tv
             elif not in_rollout:
@@ -577,12 +576,14 @@ class TVOPDTrainer(
 
         return (loss, None) if return_outputs else loss
 
-    @staticmethod
-    def _tv_sums(delta, weights, inputs):
-        """`(3,)`: the sum of X, the token count and the sum of the exact TV (0 without it) over `delta`'s tokens."""
-        u, n = tv_sums(delta, weights)
-        exact = torch.where(delta.active, inputs.get("exact_tv", 0.0), 0.0).sum()
-        return torch.stack([u.float(), n.float(), exact.float()])
+    def _tv_sums(self, delta, scale_index, weights, exact_tv):
+        """`(scales, 3)`: per scale, the sum of X, the token count and the sum of the exact TV over its rows' tokens."""
+        sums = []
+        for index in range(len(self.rollout_scales)):
+            rows = delta.where((scale_index == index).unsqueeze(1))
+            u, n = tv_sums(rows, weights)
+            sums.append(torch.stack([u.float(), n.float(), torch.where(rows.active, exact_tv, 0.0).sum().float()]))
+        return torch.stack(sums)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Around the optimizer step: skip non-finite gradients, then update the scheduler and log

@@ -158,10 +158,12 @@ class CPUWeightSyncGeneration(VLLMGeneration):
         save_file({name: tensor.contiguous() for name, tensor in state.items()}, f"{path}.partial")
         os.replace(f"{path}.partial", path)  # the server never reads a half-written file
         base_url = self.vllm_client.base_url
+        # No timeout of its own: the trainer bounds every request to the rollout server by vllm_server_request_timeout
+        # (`bound_request_time`), which its error names. `server_timeout` (vllm_server_timeout) is TRL's wait for the
+        # server to start.
         response = self.vllm_client.session.post(
             f"{base_url}/collective_rpc",
             json={"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}},
-            timeout=self.server_timeout,
         )
         if response.status_code == 404:  # it served it at construction: it was restarted since
             raise RuntimeError(

@@ -13,6 +13,8 @@ import torch
 
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
 
+from ..timeouts import time_limit
+
 
 FLAGS = [
     "--config", "recipes/tiny/tvopd.yaml", "--max_steps", "40", "--per_device_train_batch_size", "16",
@@ -43,16 +45,19 @@ def _steps(output_dir):
 def test_a_killed_run_resumes_onto_the_uninterrupted_trajectory(teachers, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
-    subprocess.run(_job(reference, *teachers), env=env, check=True, capture_output=True, timeout=900)
+    subprocess.run(_job(reference, *teachers), env=env, check=True, capture_output=True, timeout=time_limit(900))
     uninterrupted = _steps(reference)
     per_teacher = [key for key in uninterrupted[40] if key.count("/") == 2 and uninterrupted[40][key] is not None]
     assert len(per_teacher) == (6 if teachers else 0)  # tv/<teacher>/{scale,ema,reference}, for each teacher
 
     killed = tmp_path / "killed"
     process = subprocess.Popen(_job(killed, *teachers), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
+    deadline = time.monotonic() + time_limit(600)
     while not (killed / "checkpoint-10" / "trainer_state.json").is_file():
-        assert process.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"no checkpoint-10 within {time_limit(600):g} s")
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
@@ -61,7 +66,7 @@ def test_a_killed_run_resumes_onto_the_uninterrupted_trajectory(teachers, tmp_pa
     result = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "tvopd-trl"), "train", *FLAGS[2:], "--config", FLAGS[1],
          "--output_dir", str(killed), "--resume_from_checkpoint", "last", *teachers],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env, capture_output=True, text=True, timeout=time_limit(900),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = _steps(killed)
