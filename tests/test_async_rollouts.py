@@ -8,7 +8,7 @@ import time
 import pytest
 from datasets import Dataset
 
-from tvopd_trl.async_rollouts import Rollout, RolloutProducer, RolloutServerError, rollout_batches
+from tvopd_trl.async_rollouts import Rollout, RolloutProducer, RolloutServerError, rollout_batches, shareable
 from tvopd_trl.testing import tiny_config
 
 from .timeouts import time_limit
@@ -648,3 +648,25 @@ def test_staleness_without_the_importance_correction_is_allowed_with_a_warning(t
 def test_a_negative_staleness_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         tiny_config(tmp_path, max_staleness=-1)
+
+
+def test_an_error_crosses_to_the_other_processes_as_itself_or_as_its_text():
+    """What `_take_rollout` broadcasts: the error itself where it can be rebuilt on the other side, else a
+    `RuntimeError` with its type and text, never a broadcast that fails on it."""
+
+    class NeedsTwo(Exception):  # pickles, but cannot be rebuilt from its args
+        def __init__(self, first, second):
+            super().__init__(f"{first} and {second}")
+
+    plain = shareable(ValueError("A prompt tokenized to no token at all"))
+    assert type(plain) is ValueError and str(plain) == "A prompt tokenized to no token at all"
+    server = shareable(RolloutServerError("timed out", reason="did not answer", fix="raise it"))
+    assert type(server) is RolloutServerError and (str(server), server.reason, server.fix) == (
+        "timed out",
+        "did not answer",
+        "raise it",
+    )
+    rebuilt = shareable(NeedsTwo("one", "two"))
+    assert type(rebuilt) is RuntimeError and str(rebuilt) == "NeedsTwo: one and two"
+    unpicklable = shareable(ValueError(threading.Lock()))
+    assert type(unpicklable) is RuntimeError and str(unpicklable).startswith("ValueError: <unlocked _thread.lock")

@@ -71,6 +71,7 @@ def test_tool_turns_on_a_server_fit_its_max_model_len(served, context):
     generation = types.SimpleNamespace(max_completion_length=40, vllm_client=client, generate=generate)
     trainer = Trainer()
     trainer.use_vllm, trainer.vllm_mode, trainer.vllm_generation = True, "server", generation
+    trainer.accelerator = types.SimpleNamespace(is_main_process=True, num_processes=1)
     trainer.model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=128))
     try:
         trainer._tool_call_loop(None, [[1] * 10, [1] * 30], None, ["conversation"], None, None)
@@ -82,6 +83,23 @@ def test_tool_turns_on_a_server_fit_its_max_model_len(served, context):
     assert sent == ([(38, 1), (18, 1)] if context == 48 else [(40, 2)])
     assert trainer.model.config.max_position_embeddings == 128 and generation.max_completion_length == 40
     assert trainer._tool_completions == ["conversation"]
+
+
+def test_every_process_takes_the_served_context_from_the_main_process(monkeypatch):
+    """Only the main process holds TRL's client in server mode: the others take its answer from a broadcast (each
+    process splits its turns alike, as TRL's generation gathers them), and never ask the server."""
+    import types
+
+    from tvopd_trl import tools
+
+    broadcasts = []
+    monkeypatch.setattr(tools, "broadcast_object_list", lambda objects: broadcasts.append(objects) or [48])
+    trainer = ToolLoopMixin()
+    trainer.vllm_mode = "server"
+    trainer.vllm_generation = types.SimpleNamespace()  # no `vllm_client`, as on a process other than the main one
+    trainer.accelerator = types.SimpleNamespace(is_main_process=False, num_processes=2)
+    trainer.model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=128))
+    assert trainer._tool_context == 48 and broadcasts == [[None]]
 
 
 def test_trl_s_tool_loop_reads_the_context_the_mixin_lends_it():

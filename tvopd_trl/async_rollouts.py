@@ -216,7 +216,8 @@ def abortable_requests(session):
 def shareable(error):
     """`error`, or a `RuntimeError` with its text where it does not survive pickling: what a broadcast can carry."""
     try:
-        return pickle.loads(pickle.dumps(error))
+        pickle.dumps(error)
+        return copy.deepcopy(error)  # rebuilt as unpickling would rebuild it, without unpickling anything
     except Exception:  # noqa: BLE001  (any exception can fail to pickle in its own way)
         return RuntimeError(f"{type(error).__name__}: {error}")
 

@@ -25,6 +25,8 @@ are its turns, in order, the last one possibly cut short (or cut to nothing).
 import functools
 import itertools
 
+from accelerate.utils import broadcast_object_list
+
 
 def mask_runs(mask):
     """`[(value, length), ...]`: the runs of equal values of `mask`, in order."""
@@ -113,10 +115,12 @@ class ToolLoopMixin:
         generation = self.vllm_generation
         if self.vllm_mode == "colocate":
             return generation.llm.llm_engine.model_config.max_model_len
-        limits = (
-            getattr(self.model.config, "max_position_embeddings", None),
-            served_max_model_len(generation.vllm_client),
-        )
+        # Only the main process holds the client; every process splits its turns by the answer, as TRL's generation
+        # gathers them (and the tool-result check must agree across processes)
+        served = served_max_model_len(generation.vllm_client) if self.accelerator.is_main_process else None
+        if self.accelerator.num_processes > 1:
+            served = broadcast_object_list([served])[0]
+        limits = (getattr(self.model.config, "max_position_embeddings", None), served)
         return min((limit for limit in limits if limit is not None), default=None)
 
     def _sample_tool_turn(self, prompt_ids):
