@@ -76,3 +76,16 @@ def test_every_public_name_still_imports():
     assert inspect.isfunction(evaluate)  # the function, not the module of the same name
     with pytest.raises(AttributeError, match="no attribute 'TVOPDTrainr'"):
         tvopd_trl.TVOPDTrainr  # noqa: B018
+
+
+def test_the_trainer_imports_without_the_optional_extras():
+    """What only the extras bring (vLLM's client and its `requests` / `urllib3`, the test tools) is imported where it is
+    used, never by the package's modules themselves: the base install lacks them (the wheel's check found a top-level
+    `urllib3` import)."""
+    blocked = ("requests", "urllib3", "vllm", "pytest")
+    code = (
+        f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
+        "import tvopd_trl.trainer, tvopd_trl.job, tvopd_trl.scripts.train, tvopd_trl.scripts.evaluate\nprint('imported')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=time_limit(300))
+    assert result.returncode == 0 and result.stdout.splitlines() == ["imported"], result.stderr[-3000:]

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from accelerate.utils import broadcast_object_list
 from datasets import IterableDataset
 from transformers.utils import logging
-from urllib3.exceptions import ProtocolError, ReadTimeoutError
-from urllib3.util.retry import Retry
 
 
 logger = logging.get_logger(__name__)
@@ -76,22 +74,29 @@ def check_async_setup(args, train_dataset):
         )
 
 
-class TimeoutIsFinal(Retry):
-    """urllib3's `Retry`, except that a request whose answer timed out (or whose sending did) is not sent again.
-    urllib3 counts a timeout a read error, as it counts a connection the server closed before answering, which a read
-    retry still sends again."""
+def timeout_is_final(retry, **changes):
+    """`retry` (urllib3's `Retry`) with `changes`, except that a request whose answer timed out (or whose sending did)
+    is not sent again. urllib3 counts a timeout a read error, as it counts a connection the server closed before
+    answering, which a read retry still sends again."""
+    retry_class = _timeout_is_final_class()
+    settings = {name: getattr(retry, name) for name in inspect.signature(retry_class).parameters}
+    return retry_class(**{**settings, **changes})
 
-    def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
-        cause = error.args[-1] if isinstance(error, ProtocolError) and error.args else None
-        if isinstance(error, ReadTimeoutError) or isinstance(cause, TimeoutError):
-            raise error.with_traceback(_stacktrace)
-        return super().increment(method, url, response, error, _pool, _stacktrace)
 
-    @classmethod
-    def like(cls, retry, **changes):
-        """`retry`'s settings, with `changes`, in this class (`Retry.new` keeps the class of what it copies)."""
-        settings = {name: getattr(retry, name) for name in inspect.signature(Retry).parameters}
-        return cls(**{**settings, **changes})
+@functools.cache
+def _timeout_is_final_class():
+    # Built on first use: urllib3 comes with the vLLM client's `requests`, not with this package
+    from urllib3.exceptions import ProtocolError, ReadTimeoutError
+    from urllib3.util.retry import Retry
+
+    class TimeoutIsFinal(Retry):
+        def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+            cause = error.args[-1] if isinstance(error, ProtocolError) and error.args else None
+            if isinstance(error, ReadTimeoutError) or isinstance(cause, TimeoutError):
+                raise error.with_traceback(_stacktrace)
+            return super().increment(method, url, response, error, _pool, _stacktrace)
+
+    return TimeoutIsFinal
 
 
 def bound_request_time(client, timeout):
@@ -102,11 +107,11 @@ def bound_request_time(client, timeout):
 
     Of TRL's 5 retries of a failed read, one is kept, for a connection the server closed before answering (a
     keep-alive connection it had dropped, a restart): such a request is sent once more. A request that timed out is
-    not sent again ([`TimeoutIsFinal`]): it would generate the batch anew, each time for as long."""
+    not sent again ([`timeout_is_final`]): it would generate the batch anew, each time for as long."""
     import requests
 
     adapter = client.session.get_adapter(client.base_url)
-    adapter.max_retries = TimeoutIsFinal.like(adapter.max_retries, read=1)
+    adapter.max_retries = timeout_is_final(adapter.max_retries, read=1)
     send = client.session.request
 
     def request(method, url, **kwargs):
