@@ -31,6 +31,7 @@ from trl.import_utils import is_vllm_available
 
 from .async_rollouts import check_async_setup
 from .cross_tokenizer import teacher_alignments
+from .sequence_parallel import check_sequence_parallel
 from .teachers import SINGLE_TEACHER, check_routing, teacher_sources
 from .tokenizers import check_shared_vocabulary
 
@@ -260,6 +261,7 @@ def check_loaded_trainer(trainer, teacher_tokenizers, shared_vocabulary=None):
             "DeepSpeed engine takes inside `backward`. Use tv_scale_target='advantage' under DeepSpeed."
         )
     student = trainer.accelerator.unwrap_model(trainer.model)
+    check_sequence_parallel(trainer, student)
     teachers = [
         None if teacher.served else trainer.accelerator.unwrap_model(teacher.model)
         for teacher in trainer.teachers.values()

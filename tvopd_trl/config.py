@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers.utils import is_torch_tf32_available
 from trl import DistillationConfig
 
@@ -475,7 +476,14 @@ class TVOPDConfig(DistillationConfig):
                 setattr(self, new, getattr(self, old))
         if self.tf32 is None and is_torch_tf32_available():
             self.tf32 = True
+        # TRL's config refuses sequence parallelism, which this trainer runs in its loss phase (docs/scaling.md); what
+        # it cannot run is refused by the trainer (`tvopd_trl.sequence_parallel.check_sequence_parallel`).
+        launched_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if self.ddp_backend is None and launched_deepspeed and not torch.accelerator.is_available():
+            self.ddp_backend = "gloo"  # DeepSpeed's one process group on a machine without an accelerator
+        parallelism_config, self.parallelism_config = self.parallelism_config, None
         super().__post_init__()
+        self.parallelism_config = parallelism_config
         # transformers parses only JSON objects (`_VALID_DICT_FIELDS`): a pool of replicas comes as a JSON list
         if isinstance(self.teacher_model_server_url, str) and self.teacher_model_server_url.startswith("["):
             self.teacher_model_server_url = json.loads(self.teacher_model_server_url)

@@ -97,10 +97,14 @@ class StepStatistics:
         log_gap=None,
         teachers=None,
         terms=None,
+        counted=True,
     ):
         """Adds one micro-batch: `(B, T)` tensors, `epsilon` = (low, high) PPO clip ranges, `log_gap` = log pi_old -
         log pi_vllm under vLLM, `teachers` = {name: `(B,)` mask of its rows} with several teachers, `terms` = the
-        advantage's (distillation, reward) terms with a task reward."""
+        advantage's (distillation, reward) terms with a task reward. `counted=False` adds no token: under sequence
+        parallelism, every process of a group holds its whole rows, and the group's first process counts them."""
+        if not counted:
+            active, loss_mask = torch.zeros_like(active), torch.zeros_like(loss_mask)
         finite_delta = torch.where(torch.isneginf(delta), LOG_FLOAT32_TINY, delta)
         sums = {
             "tokens": active.sum(),
@@ -109,7 +113,7 @@ class StepStatistics:
             "negative_delta": torch.where(active, -finite_delta, 0.0).sum(),
             "positive_delta": (active & (delta > 0)).sum(),
             "nonfinite": (loss_mask.bool() & ~active).sum(),
-            "loss": per_token_loss.detach().sum(),
+            "loss": torch.where(active, per_token_loss.detach(), 0.0).sum(),
             "entropy": torch.where(active, entropy, 0.0).sum(),
         }
         if terms is not None:

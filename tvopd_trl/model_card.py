@@ -17,8 +17,10 @@ TRL's model-card mechanism (`Trainer.create_model_card`) writes the card; [`TVOP
 """
 
 import math
+import os
 
 from .advantages import ADVANTAGE_MODE_REGISTRY
+from .teachers import SINGLE_TEACHER
 
 
 # A mode that takes c_k as an input is set by the scheduler's hyperparameters too
@@ -69,6 +71,22 @@ def card_section(args, log_history, teacher=None, dataset=None):
         lines += ["", "| metric | last value | at step |", "| --- | ---: | ---: |"]
         lines += [f"| `{key}` | {value:.4g} | {step} |" for key, (step, value) in sorted(last.items())]
     return "\n".join(lines) + "\n"
+
+
+def add_run_section(trainer, dataset_name):
+    """Adds the run's section (`card_section`) to the card TRL wrote into `trainer.args.output_dir`."""
+    args = trainer.args
+    sources = {
+        name: args.teacher_model_server_url
+        if teacher.served and name == SINGLE_TEACHER
+        else args.teacher_model_server_url[name]
+        if teacher.served
+        else trainer.accelerator.unwrap_model(teacher.model).config._name_or_path
+        for name, teacher in trainer.teachers.items()
+    }
+    teacher = sources[SINGLE_TEACHER] if len(sources) == 1 and SINGLE_TEACHER in sources else sources
+    section = card_section(args, trainer.state.log_history, teacher=teacher, dataset=dataset_name)
+    add_section(os.path.join(args.output_dir, "README.md"), section)
 
 
 def add_section(path, section):

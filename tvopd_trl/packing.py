@@ -54,13 +54,7 @@ def pack_rows(input_ids, attention_mask, logits_to_keep):
     whose prompt tokenized to nothing (an empty plain-text prompt, a tokenizer that adds no BOS token) is refused, as
     nothing in its own row predicts its first token. A row with no token at all packs to nothing."""
     real = attention_mask.bool()
-    unpredicted = real[:, -logits_to_keep:].any(dim=1) & ~real[:, :-logits_to_keep].any(dim=1)
-    if unpredicted.any():
-        raise ValueError(
-            f"padding_free: row {unpredicted.nonzero()[0].item()} has no token before its first completion token (its "
-            "prompt tokenized to nothing), so nothing predicts that token. Give every prompt at least one token: "
-            "drop empty prompts, use a chat template, or a tokenizer that adds a BOS token."
-        )
+    check_predicted(real, logits_to_keep)
     # Position of each real token in the packed sequence, read off the row-major running count
     packed_index = real.flatten().cumsum(0).view_as(real) - 1
     position_ids = real.cumsum(dim=1) - 1
@@ -72,6 +66,18 @@ def pack_rows(input_ids, attention_mask, logits_to_keep):
         predictors=packed_index[:, -logits_to_keep:][scored] - 1,
         targets=input_ids[:, -logits_to_keep:][scored],
     )
+
+
+def check_predicted(real, logits_to_keep):
+    """Refuses a row whose completion has no real token before it (its prompt tokenized to nothing): laid out without
+    padding, nothing in the row would predict its first completion token."""
+    unpredicted = real[:, -logits_to_keep:].any(dim=1) & ~real[:, :-logits_to_keep].any(dim=1)
+    if unpredicted.any():
+        raise ValueError(
+            f"A prompt tokenized to nothing: row {unpredicted.nonzero()[0].item()} has no token before its first "
+            "completion token, so nothing predicts that token. Give every prompt at least one token: drop empty "
+            "prompts, use a chat template, or a tokenizer that adds a BOS token."
+        )
 
 
 def unpack_completions(values, packed):

@@ -35,7 +35,8 @@ class RolloutBatchingMixin:
 
     @property
     def _global_rollout_size(self):
-        return self.args.per_device_train_batch_size * self.accelerator.num_processes * self._micro_batches_per_rollout
+        # An SP group is one data-parallel replica (`tvopd_trl.sequence_parallel`)
+        return self.args.per_device_train_batch_size * self._data_parallel_size * self._micro_batches_per_rollout
 
     def get_train_dataloader(self):
         dataset = self.train_dataset
@@ -51,7 +52,8 @@ class RolloutBatchingMixin:
         return self._get_dataloader(
             dataset=dataset,
             description="Training",
-            batch_size=self._train_batch_size * self._micro_batches_per_rollout,
+            # Each process samples its share of its SP group's rollout
+            batch_size=self._train_batch_size * self._micro_batches_per_rollout // self._sp_size,
             sampler_fn=self._get_train_sampler,
             is_training=True,
         )
@@ -83,14 +85,21 @@ class RolloutBatchingMixin:
         if self._step % self._micro_steps_per_rollout == 0:
             if self.args.max_staleness:
                 generation_batch = self._take_rollout()  # sampled ahead; the dataloader's batch only paces the loop
-            rollout = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
+            rollout = self._generate_and_score_completions(generation_batch)
+            sequence_parallel = self._sequence_parallel
+            rollout = (
+                shuffle_sequence_dict(rollout) if sequence_parallel is None else sequence_parallel.shuffle(rollout)
+            )
             self._buffered_inputs = split_tensor_dict(rollout, micro_batches)
             # The loss is a token mean over each optimizer step: count its active tokens over micro-batches and
             # processes once, so every micro-batch divides by the same exact total.
             local_counts = torch.stack([self._active_tokens(batch).sum() for batch in self._buffered_inputs])
-            step_counts = self.accelerator.reduce(
-                local_counts.view(self.args.steps_per_generation, -1).sum(dim=1), reduction="sum"
-            )
+            step_counts = (
+                self.accelerator.reduce(
+                    local_counts.view(self.args.steps_per_generation, -1).sum(dim=1), reduction="sum"
+                )
+                // self._sp_size
+            )  # the processes of an SP group hold the same rows
             for index, batch in enumerate(self._buffered_inputs):
                 batch["step_num_items"] = step_counts[index // self.args.gradient_accumulation_steps]
         return self._buffered_inputs[self._step % micro_batches]

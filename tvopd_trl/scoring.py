@@ -68,9 +68,6 @@ class CompletionScoringMixin:
             `dict[str, torch.Tensor]`: `batch` with `loss_mask` and `teacher_logps` (NaN where a served teacher gave no
             value, or a span is masked), and the signals asked for, all `(B, T)` and 0 at padding.
         """
-        prompt_completion_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        logits_to_keep = batch["completion_ids"].size(1)
         batch["loss_mask"] = batch["completion_mask"] * batch.get("tool_mask", 1)
         signals = ["teacher_logps", *(["reverse_kl", "exact_tv"] if exact_divergences else [])]
         served = [teacher for teacher in self.teachers.values() if teacher.served]
@@ -98,7 +95,8 @@ class CompletionScoringMixin:
                     width = routed["completion_ids"].size(1)
                     scores = [self._sampled_token_logps(teacher.model, ids, mask, width)]
                     if exact_divergences:
-                        scores += self._exact_divergences(teacher.model, ids, mask, width)
+                        with self._whole_rows():  # the student's whole rows
+                            scores += self._exact_divergences(teacher.model, ids, mask, width)
                 if alignment is not None:
                     scores = [aligned.student_teacher_logps(scores[0])]
                     if "span_ids" not in batch:
@@ -108,21 +106,28 @@ class CompletionScoringMixin:
                     if name not in batch:
                         batch[name] = score.new_full(batch["completion_ids"].shape, math.nan)
                     batch[name][rows[:real]] = score[:real]
-            if old_logps:
-                batch["old_logps"] = self._sampled_token_logps(
-                    self.model, prompt_completion_ids, attention_mask, logits_to_keep
-                )
         if self.alignments:
             # Every process holds `span_ids`, whichever teachers its rows went to
             batch.setdefault("span_ids", token_spans(batch["loss_mask"]))
-            if old_logps:
-                batch["teacher_logps"] = align_teacher_logps(
-                    batch["teacher_logps"], batch["old_logps"], batch["span_ids"]
-                )
             self._record_alignment_stats(cross_stats)
         if served:
             self._record_served_teacher_stats(served, served_stats)
+        if old_logps:
+            self.add_old_logps(batch)
         return batch
+
+    def add_old_logps(self, batch):
+        """Adds `old_logps` to a scored batch (see `score_completions`), and aligns a cross-tokenizer teacher's
+        `teacher_logps` with them."""
+        with torch.no_grad():
+            batch["old_logps"] = self._sampled_token_logps(
+                self.model,
+                torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                batch["completion_ids"].size(1),
+            )
+        if "span_ids" in batch:
+            batch["teacher_logps"] = align_teacher_logps(batch["teacher_logps"], batch["old_logps"], batch["span_ids"])
 
     def _pool_over_processes(self, stats, reductions):
         """`(teachers, statistics)` `stats` of this process, pooled over all processes by each statistic's reduction
@@ -193,6 +198,8 @@ class CompletionScoringMixin:
         """Float32 `(B, logits_to_keep)` log-probabilities of the completion tokens (0 at padding), scored in the
         forwards of `_row_chunks`, padded or packed (`padding_free`); with `with_entropy`, also the detached entropy of
         each position's distribution, from the same pass."""
+        if self._shards_sequences(model):
+            return self._sharded_logps(model, input_ids, attention_mask, logits_to_keep, with_entropy)
         with_trl_kernels = self._scores_with_trl_kernels(model, input_ids.device)
         logps, entropies = [], []
         for rows in self._row_chunks(attention_mask, model):

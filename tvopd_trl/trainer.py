@@ -14,7 +14,6 @@
 
 import contextlib
 import math
-import os
 import textwrap
 
 import torch
@@ -41,16 +40,17 @@ from .config import TVOPDConfig
 from .cross_tokenizer import teacher_prompt_batch
 from .delta import TokenDelta
 from .metrics import StepStatistics
-from .model_card import add_section, card_section
+from .model_card import add_run_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
 from .rollout_batching import RolloutBatchingMixin
 from .scoring import CompletionScoringMixin
+from .sequence_parallel import SequenceParallelMixin
 from .served_teacher import connect_teacher_pool
 from .spans import align_teacher_logps, broadcast_spans, span_sums
-from .teachers import SINGLE_TEACHER, Teacher, prepare_teacher, teacher_index, teacher_processing_classes
+from .teachers import Teacher, prepare_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
 from .tools import ToolLoopMixin
-from .tv import tv_sums
+from .tv import tv_sums_by_scale
 
 
 logger = logging.get_logger(__name__)
@@ -78,6 +78,7 @@ class TVOPDTrainer(
     ToolLoopMixin,
     AsyncRolloutMixin,
     RolloutCheckpointMixin,
+    SequenceParallelMixin,
     DistillationTrainer,
 ):
     """
@@ -283,19 +284,8 @@ class TVOPDTrainer(
         last `tv/scale`, `tv/estimate` and evaluation scores. `dataset_name` defaults to `self.dataset_name`."""
         dataset_name = dataset_name or self.dataset_name
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if not self.is_world_process_zero():
-            return
-        sources = {
-            name: self.args.teacher_model_server_url
-            if teacher.served and name == SINGLE_TEACHER
-            else self.args.teacher_model_server_url[name]
-            if teacher.served
-            else self.accelerator.unwrap_model(teacher.model).config._name_or_path
-            for name, teacher in self.teachers.items()
-        }
-        teacher = sources[SINGLE_TEACHER] if len(sources) == 1 and SINGLE_TEACHER in sources else sources
-        section = card_section(self.args, self.state.log_history, teacher=teacher, dataset=dataset_name)
-        add_section(os.path.join(self.args.output_dir, "README.md"), section)
+        if self.is_world_process_zero():
+            add_run_section(self, dataset_name)
 
     @property
     def _tv_schedule(self):
@@ -372,7 +362,8 @@ class TVOPDTrainer(
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         if not self.use_vllm:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
+            with self._whole_rows():
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, has_tool_images)
         if self._taken_rollout is not None:  # this step's rollout batch, sampled ahead
             completion_ids, logprobs = self._taken_completions(prompt_ids)
         else:
@@ -401,9 +392,15 @@ class TVOPDTrainer(
         batch = self.generate_completions(inputs)
         if self.reward_funcs and self.model.training:
             batch["reward_advantages"] = self.reward_advantages(inputs, batch)
-        return self.score_completions(
-            batch, old_logps=freeze_old_logps, exact_divergences=self._needs_exact_divergences
+        sharded = self._shards_sequences(self.model)  # pi_old is then scored on the SP group's gathered rows
+        batch = self.score_completions(
+            batch, old_logps=freeze_old_logps and not sharded, exact_divergences=self._needs_exact_divergences
         )
+        if sharded:
+            batch = self._sequence_parallel.gather(batch)
+            if freeze_old_logps:
+                self.add_old_logps(batch)
+        return batch
 
     def generate_completions(self, prompts):
         """Completions of `prompts` (dataset rows with a `prompt`, and a `teacher_id` with several teachers) sampled by
@@ -454,7 +451,8 @@ class TVOPDTrainer(
         # Seeded by (seed, process, rollout, micro-batch): each pass over a rollout sees the same permutation.
         rollout_index = self.state.global_step // (self.args.steps_per_generation * self.args.num_iterations)
         micro_index = self._step % self._micro_batches_per_rollout
-        seed = hash((self.args.seed, self.accelerator.process_index, rollout_index, micro_index)) % (2**63)
+        replica = self.accelerator.process_index // self._sp_size  # an SP group shuffles its rows alike
+        seed = hash((self.args.seed, replica, rollout_index, micro_index)) % (2**63)
         return torch.Generator().manual_seed(seed)
 
     @staticmethod
@@ -537,18 +535,23 @@ class TVOPDTrainer(
         per_token_loss = torch.where(active, per_token_loss, 0.0)
 
         if in_rollout:
-            # Processes average their gradients, so each divides by its share of the step's global token count.
-            normalizer = inputs["step_num_items"].clamp(min=1) / self.accelerator.num_processes
+            # Data-parallel replicas average their gradients, so each divides by its share of the step's global token
+            # count (under SP, each process of a replica sums whole rows, of which only its shard has a gradient).
+            normalizer = inputs["step_num_items"].clamp(min=1) / self._data_parallel_size
         elif num_items_in_batch is not None:
             normalizer = torch.as_tensor(num_items_in_batch, device=per_token_loss.device).clamp(min=1)
         else:
             normalizer = active.sum().clamp(min=1)
         loss = per_token_loss.sum() / normalizer
+        if (scale := self._gradient_scale()) != 1:
+            loss = loss * scale - (loss * (scale - 1)).detach()  # the same value, `scale` times the gradient
 
         with torch.no_grad():
             routing = inputs.get("teacher_index")
             statistics = self._step_statistics if in_rollout else StepStatistics()
+            counted = self._counts_rows(model)
             statistics.add(
+                counted=counted,
                 active=active,
                 delta=delta.delta,
                 ratio=ratio,
@@ -566,7 +569,11 @@ class TVOPDTrainer(
             # it reads the rollout's tokens, whatever the current student gives them.
             first_pass = (self._step // self._micro_batches_per_rollout) % args.num_iterations == 0
             if not in_rollout or first_pass:
-                tv = self._tv_sums(rollout_delta, scale_index, tv_weights, inputs.get("exact_tv", 0.0))
+                scales_count = len(self.rollout_scales)
+                tv = tv_sums_by_scale(
+                    rollout_delta, scale_index, scales_count, tv_weights, inputs.get("exact_tv", 0.0)
+                )
+                tv = tv * counted
             if in_rollout and first_pass:
                 self._rollout_tv += tv
             elif not in_rollout:
@@ -575,15 +582,6 @@ class TVOPDTrainer(
                 self._metrics[mode]["tv/estimate"].append(u / n if n > 0 else float("nan"))
 
         return (loss, None) if return_outputs else loss
-
-    def _tv_sums(self, delta, scale_index, weights, exact_tv):
-        """`(scales, 3)`: per scale, the sum of X, the token count and the sum of the exact TV over its rows' tokens."""
-        sums = []
-        for index in range(len(self.rollout_scales)):
-            rows = delta.where((scale_index == index).unsqueeze(1))
-            u, n = tv_sums(rows, weights)
-            sums.append(torch.stack([u.float(), n.float(), torch.where(rows.active, exact_tv, 0.0).sum().float()]))
-        return torch.stack(sums)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Around the optimizer step: skip non-finite gradients, then update the scheduler and log

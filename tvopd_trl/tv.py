@@ -59,6 +59,17 @@ def tv_sums(delta: TokenDelta, weights: torch.Tensor | None = None):
     return torch.where(active, x, 0.0).sum(), active.sum()
 
 
+def tv_sums_by_scale(delta: TokenDelta, scale_index, scales, weights=None, exact_tv=0.0):
+    """`(scales, 3)`: per scale (`scale_index`, `(B,)`: each row's), the sum of X, the token count and the sum of the
+    exact TV (`(B, T)`, or 0) over its rows' tokens."""
+    sums = []
+    for index in range(scales):
+        rows = delta.where((scale_index == index).unsqueeze(1))
+        u, n = tv_sums(rows, weights)
+        sums.append(torch.stack([u.float(), n.float(), torch.where(rows.active, exact_tv, 0.0).sum().float()]))
+    return torch.stack(sums)
+
+
 class TVScheduler:
     """
     TV-EMA scheduler of TV-OPD: c = clip(((D_bar + eps) / (D_ref + eps)) ** alpha, min_scale, 1).

@@ -1,0 +1,139 @@
+"""Ulysses sequence parallelism against a run without it, on the same rollouts.
+
+    accelerate launch --config_file recipes/accelerate_configs/zero3_sp_cpu.yaml sequence_parallel.py OUT tv
+    python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
+
+The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
+`tools=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
+its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
+(8-16 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 3-5 of every completion are a tool
+result (out of the loss, across the boundary in most rows). The rollout is not shuffled, so that the rows come in the
+same order. The optimizer is plain SGD without clipping: each step's parameter change is -lr times the step's
+gradient. Each rank saves the parameters after every step, the per-token tensors of every loss call (every process of
+an SP group holds whole rows) and the log.
+"""
+
+import os
+import sys
+
+import torch
+from accelerate.utils import DistributedType
+from common import check_launch, finish, save_rank_result, skip_deepspeed_shm_op
+from transformers import TrainerCallback
+
+import tvopd_trl.rollout_batching
+import tvopd_trl.sequence_parallel
+from tvopd_trl import TVOPDTrainer
+from tvopd_trl.testing import tiny_config, tiny_pair_trainer
+
+
+LEARNING_RATE = 0.1
+RECORDED = ("teacher_logps", "loss_mask", "reward_advantages", "span_ids", "tool_mask", "reverse_kl", "old_logps")
+
+
+def full_parameters(trainer):
+    """Every parameter, whole, on every rank (gathered from ZeRO-3's shards: a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.model
+    module = getattr(model, "module", model)
+    sharded = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    return {
+        name: (safe_get_full_fp32_param(p) if sharded else p).detach().float().cpu().clone()
+        for name, p in module.named_parameters()
+    }
+
+
+class RecordParameters(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer, self.steps = trainer, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.steps.append(full_parameters(self.trainer))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(full_parameters(self.trainer))
+
+
+class RecordingTrainer(TVOPDTrainer):
+    calls = []
+    tools_stand_in = False
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        completions, seen = [], {}
+        for ids in prompt_ids:
+            seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
+            generator = torch.Generator().manual_seed(hash((tuple(ids), seen[tuple(ids)])) % 2**31)
+            length = torch.randint(8, self.args.max_completion_length + 1, (1,), generator=generator).item()
+            vocabulary = len(self.processing_class)
+            completions.append(torch.randint(3, vocabulary, (length,), generator=generator).tolist())
+        return completions
+
+    def generate_completions(self, prompts):
+        batch = super().generate_completions(prompts)
+        if self.tools_stand_in:
+            batch["tool_mask"] = torch.ones_like(batch["completion_mask"])
+            batch["tool_mask"][:, 3:6] = 0
+        return batch
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        record = {key: inputs[key].detach().cpu().clone() for key in RECORDED if key in inputs}
+        original = self._sampled_token_logps
+
+        def recorded(*args, **kwargs):
+            logps, entropy = original(*args, **kwargs)
+            record["logps"], record["entropy"] = logps.detach().cpu().clone(), entropy.cpu().clone()
+            return logps, entropy
+
+        self._sampled_token_logps = recorded
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            del self._sampled_token_logps
+        record["loss"] = loss.detach().cpu().clone()
+        record["scales"] = torch.tensor(self.rollout_scales)
+        self.calls.append(record)
+        return loss
+
+
+def main(output_dir, mode, *options):
+    options = dict(option.split("=") for option in options)
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # The rollout as generated, in process order: both runs see the same rows in the same order
+    tvopd_trl.rollout_batching.shuffle_sequence_dict = tvopd_trl.sequence_parallel.shuffle_sequence_dict = dict
+    overrides = dict(
+        per_device_train_batch_size=int(options.get("rows", 8)),
+        max_steps=int(options.get("steps", 3)),
+        advantage_mode=mode,
+        max_completion_length=16,
+        optim="sgd",
+        learning_rate=LEARNING_RATE,
+        max_grad_norm=0.0,
+        use_cpu=not launched,
+        logging_steps=1,
+    )
+    if options.get("reward"):
+        overrides.update(reward_funcs=["accuracy"], reward_coef=0.5, num_generations=2, temperature=1.0)
+    if launched:
+        skip_deepspeed_shm_op()
+    RecordingTrainer.tools_stand_in = bool(options.get("tools"))
+    trainer = tiny_pair_trainer(tiny_config(output_dir, **overrides), prompts=32, trainer_class=RecordingTrainer)
+    if launched:
+        check_launch(trainer.accelerator, DistributedType.DEEPSPEED, int(os.environ["WORLD_SIZE"]))
+    parameters = RecordParameters(trainer)
+    trainer.add_callback(parameters)
+    trainer.train()
+    tensors = {"parameters": parameters.steps, "calls": trainer.calls}
+    result = {
+        "sp_size": trainer._sp_size,
+        "log": [entry for entry in trainer.state.log_history if "loss" in entry],
+    }
+    if not launched:
+        save_rank_result(output_dir, trainer.accelerator, result, tensors)
+        return
+    save_rank_result(output_dir, trainer.accelerator, result, tensors)
+    finish(output_dir, trainer.accelerator)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
