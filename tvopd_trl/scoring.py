@@ -96,7 +96,9 @@ class CompletionScoringMixin:
                     scores = [self._sampled_token_logps(teacher.model, ids, mask, width)]
                     if exact_divergences:
                         with self._whole_rows():  # the student's whole rows
-                            scores += self._exact_divergences(teacher.model, ids, mask, width)
+                            divergences = self._exact_divergences(teacher.model, ids, mask, width)
+                        padding = routed["completion_mask"] == 0
+                        scores += [divergence.masked_fill(padding, 0.0) for divergence in divergences]
                 if alignment is not None:
                     scores = [aligned.student_teacher_logps(scores[0])]
                     if "span_ids" not in batch:

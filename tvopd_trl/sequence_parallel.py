@@ -259,7 +259,9 @@ class SequenceParallelMixin:
 
     def _shards_sequences(self, model):
         """Whether `model`'s forwards run split rows: the student's in train mode (a teacher scores whole rows)."""
-        return self._sp_size > 1 and model.training and model in (self.model, self.model_wrapped)
+        # A DeepSpeed engine's own `training` flag stays True: its `eval()` sets the module's only
+        training = self.accelerator.unwrap_model(model).training
+        return self._sp_size > 1 and training and model in (self.model, self.model_wrapped)
 
     def _counts_rows(self, model):
         """Whether this process counts its rows' tokens in a reduction over processes: all but the first of an SP
@@ -282,7 +284,7 @@ class SequenceParallelMixin:
         """`_sampled_token_logps` under SP: each forward of `per_device_train_batch_size` rows (Ulysses is built for
         that many) on this process's shard, through TRL's fused head with the labels shifted on the whole row."""
         group = self._sequence_parallel
-        if not model.training:
+        if not self.accelerator.unwrap_model(model).training:
             # Ulysses is off in eval mode: a shard would attend to itself only, silently wrong
             raise RuntimeError("A sequence-parallel forward needs the model in train mode (Ulysses is off in eval).")
         logps, entropies = [], []

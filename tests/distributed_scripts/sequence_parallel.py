@@ -4,9 +4,9 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
+`tools=1`, `teacher=cross`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
-(8-16 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 3-5 of every completion are a tool
+(16-32 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 6-12 of every completion are a tool
 result (out of the loss, across the boundary in most rows). The rollout is not shuffled, so that the rows come in the
 same order. The optimizer is plain SGD without clipping: each step's parameter change is -lr times the step's
 gradient. Each rank saves the parameters after every step, the per-token tensors of every loss call (every process of
@@ -25,10 +25,25 @@ import tvopd_trl.rollout_batching
 import tvopd_trl.sequence_parallel
 from tvopd_trl import TVOPDTrainer
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
+from tvopd_trl.tiny import cross_tokenizer_paths, prompt_dataset
 
 
 LEARNING_RATE = 0.1
-RECORDED = ("teacher_logps", "loss_mask", "reward_advantages", "span_ids", "tool_mask", "reverse_kl", "old_logps")
+RECORDED = (
+    "prompt_mask",
+    "completion_mask",
+    "teacher_logps",
+    "loss_mask",
+    "reward_advantages",
+    "span_ids",
+    "tool_mask",
+    "reverse_kl",
+    "old_logps",
+)
+
+
+def token_sum(completion_ids, **kwargs):
+    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def full_parameters(trainer):
@@ -64,7 +79,7 @@ class RecordingTrainer(TVOPDTrainer):
         for ids in prompt_ids:
             seen[tuple(ids)] = seen.get(tuple(ids), -1) + 1
             generator = torch.Generator().manual_seed(hash((tuple(ids), seen[tuple(ids)])) % 2**31)
-            length = torch.randint(8, self.args.max_completion_length + 1, (1,), generator=generator).item()
+            length = torch.randint(16, self.args.max_completion_length + 1, (1,), generator=generator).item()
             vocabulary = len(self.processing_class)
             completions.append(torch.randint(3, vocabulary, (length,), generator=generator).tolist())
         return completions
@@ -73,7 +88,7 @@ class RecordingTrainer(TVOPDTrainer):
         batch = super().generate_completions(prompts)
         if self.tools_stand_in:
             batch["tool_mask"] = torch.ones_like(batch["completion_mask"])
-            batch["tool_mask"][:, 3:6] = 0
+            batch["tool_mask"][:, 5:12] = 0
         return batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -92,7 +107,8 @@ class RecordingTrainer(TVOPDTrainer):
             del self._sampled_token_logps
         record["loss"] = loss.detach().cpu().clone()
         record["scales"] = torch.tensor(self.rollout_scales)
-        self.calls.append(record)
+        if self.model.training:  # evaluation's rows are each process's own
+            self.calls.append(record)
         return loss
 
 
@@ -105,27 +121,53 @@ def main(output_dir, mode, *options):
         per_device_train_batch_size=int(options.get("rows", 8)),
         max_steps=int(options.get("steps", 3)),
         advantage_mode=mode,
-        max_completion_length=16,
+        max_completion_length=32,
         optim="sgd",
         learning_rate=LEARNING_RATE,
         max_grad_norm=0.0,
         use_cpu=not launched,
         logging_steps=1,
     )
+    kwargs = {}
     if options.get("reward"):
-        overrides.update(reward_funcs=["accuracy"], reward_coef=0.5, num_generations=2, temperature=1.0)
+        overrides.update(reward_coef=0.5, num_generations=2)
+        kwargs["reward_funcs"] = [token_sum]
+    if options.get("teacher") == "cross":
+        overrides["cross_tokenizer"] = True
+        kwargs["teacher_model"] = cross_tokenizer_paths()["triplets"]
     if launched:
         skip_deepspeed_shm_op()
     RecordingTrainer.tools_stand_in = bool(options.get("tools"))
-    trainer = tiny_pair_trainer(tiny_config(output_dir, **overrides), prompts=32, trainer_class=RecordingTrainer)
+    args = tiny_config(output_dir, **overrides)
+    kwargs["eval_dataset"] = prompt_dataset("opd", 8)
+    trainer = tiny_pair_trainer(args, prompts=32, trainer_class=RecordingTrainer, **kwargs)
     if launched:
         check_launch(trainer.accelerator, DistributedType.DEEPSPEED, int(os.environ["WORLD_SIZE"]))
     parameters = RecordParameters(trainer)
     trainer.add_callback(parameters)
     trainer.train()
     tensors = {"parameters": parameters.steps, "calls": trainer.calls}
+    # Evaluation after training: whole rows on each process (SP is off in eval mode), then a sharded forward in eval mode
+    evaluation = trainer.evaluate()
+    refusal = None
+    if trainer._sp_size > 1:
+        trainer.model_wrapped.eval()
+        try:
+            trainer._sharded_logps(
+                trainer.model_wrapped,
+                torch.ones(args.per_device_train_batch_size, 8, dtype=torch.long),
+                torch.ones(args.per_device_train_batch_size, 8, dtype=torch.long),
+                4,
+                False,
+            )
+        except RuntimeError as error:
+            refusal = str(error)
+    zero = trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None
     result = {
         "sp_size": trainer._sp_size,
+        "zero_stage": zero,
+        "evaluation": evaluation,
+        "eval_mode_refusal": refusal,
         "log": [entry for entry in trainer.state.log_history if "loss" in entry],
     }
     if not launched:
