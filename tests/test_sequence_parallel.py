@@ -235,3 +235,77 @@ def test_the_main_jobs_first_step_with_sp_equals_data_parallel(tmp_path):
     assert first["step"] == expected["step"] == 1
     for key in ("loss", "tv/estimate", "kl/reverse_estimate", "entropy", "grad_norm", "update/norm"):
         assert first[key] == pytest.approx(expected[key], rel=1e-4), key
+
+
+def _trainer_stand_in(tmp_path, processes=2, deepspeed=True, parallelism=None, **overrides):
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from tvopd_trl.testing import tiny_config
+
+    args = tiny_config(tmp_path, **overrides)
+    config = ParallelismConfig(**(parallelism or {"sp_size": 2, "sp_backend": "deepspeed"}))
+    accelerator = SimpleNamespace(parallelism_config=config, num_processes=processes)
+    return SimpleNamespace(args=args, accelerator=accelerator, is_deepspeed_enabled=deepspeed)
+
+
+def _student(heads=4, kv_heads=2, attention="sdpa"):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=64,
+    )
+    config._attn_implementation = attention
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (
+            dict(deepspeed=False),
+            r"sp_size=2 runs DeepSpeed's Ulysses attention.*FSDP2.*Launch with a DeepSpeed config",
+        ),
+        (dict(processes=3), r"sp_size=2 does not divide the 3 processes: launch a multiple of 2\."),
+        (dict(student=dict(heads=3, kv_heads=3)), r"must divide the student's 3 attention heads.*Use an sp_size"),
+        (dict(student=dict(heads=4, kv_heads=3)), r"3 KV heads"),
+        (dict(student=dict(attention="eager")), r"attn_implementation='eager'.*load it with one of sdpa"),
+        (dict(padding_free=True), r"padding_free=True.*Set padding_free=False with sp_size > 1\."),
+        (dict(max_tokens_per_micro_batch=64), r"max_tokens_per_micro_batch.*unset it with sp_size > 1\."),
+        (dict(per_device_train_batch_size=3), r"= 3 rows.*make it a multiple of sp_size=2\."),
+        (dict(parallelism={"cp_size": 2}), r"cp_size=2: torch context parallelism needs CUDA.*sp_size"),
+    ],
+)
+def test_what_ulysses_cannot_run_is_refused_with_the_fix(tmp_path, setup, message):
+    from tvopd_trl.sequence_parallel import check_sequence_parallel
+
+    setup = dict(setup)
+    student = _student(**setup.pop("student", {}))
+    with pytest.raises(ValueError, match=message):
+        check_sequence_parallel(_trainer_stand_in(tmp_path, **setup), student)
+
+
+def test_kv_heads_fewer_than_sp_size_are_accepted_and_the_attention_is_filled_from_the_student(tmp_path):
+    from tvopd_trl.sequence_parallel import check_sequence_parallel
+
+    trainer = _trainer_stand_in(tmp_path)
+    check_sequence_parallel(trainer, _student(heads=4, kv_heads=1))  # DeepSpeed replicates a KV head over processes
+    assert trainer.accelerator.parallelism_config.sp_handler.sp_attn_implementation == "sdpa"
+
+
+def test_the_config_accepts_sequence_parallelism_that_trls_refuses(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+    from trl import DistillationConfig
+
+    parallelism = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    with pytest.raises(ValueError, match="does not support sequence-dim parallelism"):
+        DistillationConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, parallelism_config=parallelism)
+    from tvopd_trl.testing import tiny_config
+
+    assert tiny_config(tmp_path, parallelism_config=parallelism).parallelism_config is parallelism
