@@ -19,6 +19,7 @@ import torch
 
 from tvopd_trl.sequence_parallel import ShardedRows, shard_rows
 
+from . import test_distributed
 from .test_distributed import (
     ACCELERATE_CONFIGS,
     GLOO_EXIT_ABORT,
@@ -26,6 +27,7 @@ from .test_distributed import (
     SCRIPTS,
     _free_port,
     _launch_env,
+    launch,
     start_launch,
     wait_launch,
 )
@@ -181,6 +183,13 @@ def test_four_processes_dp_2_by_sp_2_equal_dp_2(tmp_path):
     for rank, run in enumerate(runs):
         assert run["sp_size"] == 2
         assert_same_run(run, reference[rank // 2])  # processes 2k and 2k + 1 are the SP group of replica k
+
+
+def test_a_checkpoint_inside_a_rollout_batch_resumes_exactly_under_sp(tmp_path):
+    # The ZeRO-3 resume test's script, under SP: train, then a second trainer in the same processes resumes
+    results = launch("zero3_sp_cpu.yaml", "zero3_checkpoint_resume.py", tmp_path)
+    test_distributed.test_zero3_trains_with_one_tv_scheduler_state_on_both_ranks((tmp_path, results))
+    test_distributed.test_zero3_resume_inside_a_rollout_batch_continues_it_exactly((tmp_path, results))
 
 
 def test_shard_rows_moves_padding_after_the_real_tokens_and_shifts_labels_on_the_whole_row():

@@ -218,6 +218,20 @@ def dispatch_attention_by_mode(implementation):
     ALL_ATTENTION_FUNCTIONS[implementation] = attention
 
 
+def forget_ulysses():
+    """Undoes an earlier trainer's registration in this process (a resumed run, a notebook), which DeepSpeed refuses
+    to repeat ("sequence parallel group is already initialized") and which would otherwise wrap Ulysses in Ulysses."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.utils import groups
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is not None:
+        parallel_state_sp._release_sequence_parallel_groups()
+        groups.mpu = None  # the earlier engine's, which the next engines would ask for the released groups
+    for implementation in ULYSSES_ATTENTION:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.pop(implementation, None)
+
+
 class SequenceParallelMixin:
     """What [`TVOPDTrainer`] does differently under SP: its dataloader and batch sizes count SP groups as data-parallel
     replicas, it gathers each group's rollout, and its student forwards whole rows in eval mode, where Ulysses is off
@@ -242,6 +256,7 @@ class SequenceParallelMixin:
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         if self._sp_size > 1:
+            forget_ulysses()
             self.accelerator.deepspeed_ulysses_dl_adapter = self._after_ulysses_registered
 
     def _after_ulysses_registered(self, dataloader, model):
