@@ -4,7 +4,7 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `teacher=cross`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
+`tools=1`, `teacher=cross|two`, `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
 (16-32 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 6-12 of every completion are a tool
 result (out of the loss, across the boundary in most rows). The rollout is not shuffled, so that the rows come in the
@@ -25,7 +25,7 @@ import tvopd_trl.rollout_batching
 import tvopd_trl.sequence_parallel
 from tvopd_trl import TVOPDTrainer
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
-from tvopd_trl.tiny import cross_tokenizer_paths, prompt_dataset
+from tvopd_trl.tiny import cross_tokenizer_paths, prompt_dataset, teacher_path, weak_teacher_path
 
 
 LEARNING_RATE = 0.1
@@ -39,6 +39,8 @@ RECORDED = (
     "tool_mask",
     "reverse_kl",
     "old_logps",
+    "teacher_index",
+    "step_num_items",
 )
 
 
@@ -132,6 +134,12 @@ def main(output_dir, mode, *options):
     if options.get("reward"):
         overrides.update(reward_coef=0.5, num_generations=2)
         kwargs["reward_funcs"] = [token_sum]
+    if options.get("checkpointing"):
+        overrides["gradient_checkpointing"] = True
+    if options.get("teacher") == "two":  # each prompt routed by its `teacher_id`, a TV scale per teacher
+        # Not the student itself: its delta is 0 up to rounding, whose sign a split forward may flip
+        kwargs["teacher_model"] = {"teacher": teacher_path(), "weak": weak_teacher_path()}
+        kwargs["train_dataset"] = prompt_dataset("opd", 32).add_column("teacher_id", ["teacher", "weak"] * 16)
     if options.get("teacher") == "cross":
         overrides["cross_tokenizer"] = True
         kwargs["teacher_model"] = cross_tokenizer_paths()["triplets"]
@@ -140,6 +148,8 @@ def main(output_dir, mode, *options):
     RecordingTrainer.tools_stand_in = bool(options.get("tools"))
     args = tiny_config(output_dir, **overrides)
     kwargs["eval_dataset"] = prompt_dataset("opd", 8)
+    if options.get("teacher") == "two":
+        kwargs["eval_dataset"] = kwargs["eval_dataset"].add_column("teacher_id", ["teacher", "weak"] * 4)
     trainer = tiny_pair_trainer(args, prompts=32, trainer_class=RecordingTrainer, **kwargs)
     if launched:
         check_launch(trainer.accelerator, DistributedType.DEEPSPEED, int(os.environ["WORLD_SIZE"]))
