@@ -55,6 +55,37 @@ def _classes():
     ]
 
 
+# Not a dataclass field: how sequence parallelism is configured, after `TVOPDConfig`'s fields.
+SEQUENCE_PARALLELISM = """\
+## Sequence parallelism: accelerate's `parallelism_config`
+
+Not a field that TV-OPD adds: `parallelism_config` is `transformers.TrainingArguments`' (an
+`accelerate.ParallelismConfig`), which TRL's `DistillationConfig` refuses with `sp_size` or `cp_size` above 1.
+`TVOPDConfig` accepts `sp_size` above 1 with `sp_backend="deepspeed"`: DeepSpeed's Ulysses, in the loss phase, under a
+DeepSpeed launch (`distributed_type: DEEPSPEED`, any ZeRO stage). It is set in one of three places:
+
+- the accelerate config file's `parallelism_config` section: `parallelism_config_sp_size`,
+  `parallelism_config_sp_backend: deepspeed`, `parallelism_config_sp_attn_implementation` (the student's attention:
+  `sdpa`, `flash_attention_2` or `flash_attention_3`) and, with several SP groups, `parallelism_config_dp_shard_size`
+  = processes / sp_size, from which accelerate counts DeepSpeed's batch size
+  (`recipes/accelerate_configs/zero3_sp.yaml`: 8 GPUs, sp_size 2, dp_shard_size 4);
+- `accelerate launch` flags of the same names (`--parallelism_config_sp_size 2`, or `--parallelism-config-sp-size 2`),
+  also through `tvopd-trl train`; they override a config file's section and do nothing without one;
+- in Python, `TVOPDConfig(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed", dp_shard_size=4))`.
+
+An SP group of sp_size processes is one data-parallel replica: `per_device_train_batch_size` is rows per micro-batch
+per SP group, and a step takes `per_device_train_batch_size` x `gradient_accumulation_steps` x (processes / sp_size)
+prompts. Refused, each with an error that names the fix: an sp_size that does not divide the processes, the student's
+attention heads, or its KV heads (which may also divide sp_size); a student attention implementation other than
+`sdpa`, `flash_attention_2` or `flash_attention_3`, or other than the config's `sp_attn_implementation`;
+`sp_seq_length_is_variable: false`; `cp_size` above 1 (use sp_size); FSDP or FSDP2 with sp_size above 1 (use a
+DeepSpeed ZeRO-3 config); `padding_free`; `max_tokens_per_micro_batch`; rollout rows per SP group
+(`per_device_train_batch_size` x `gradient_accumulation_steps` x `steps_per_generation`) that sp_size does not
+divide. What it changes and what it saves: [scaling.md](scaling.md#10-sequence-parallelism).
+"""
+AFTER = {TVOPDConfig: SEQUENCE_PARALLELISM}
+
+
 def _parameters(docstring):
     """(group title, [(signature line, description)]) pairs of a TRL-style "Parameters:" docstring section."""
     lines = inspect.cleandoc(docstring).splitlines()
@@ -106,6 +137,8 @@ def render():
                     names = ", ".join(f"**`{name.strip()}`**" for name in signature.split(","))
                     out.append(f"- {names}: {description}")
             out.append("")
+        if cls in AFTER:
+            out += ["", AFTER[cls]]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

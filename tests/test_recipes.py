@@ -3,6 +3,7 @@
 Fast: no model is loaded. vLLM is made unimportable while recipes parse, so nothing here needs it.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,11 @@ METHOD_KEYS |= {"tv_alpha", "tv_ema_decay", "tv_min_scale", "tv_eps"}
 VLLM_KEYS = {"use_vllm", "num_processes", "gradient_accumulation_steps", "max_staleness"}
 # ... and a served teacher in where it runs.
 SERVED_TEACHER_KEYS = {"teacher_model_server_url", "teacher_model_server_timeout", "teacher_model_init_kwargs"}
+# ... and the sequence-parallel recipes in their accelerate config, the batch layout that keeps 64 prompts per step over
+# SP groups, and the attention implementation Ulysses wraps; `<name>_<n>k.yaml` in its response length (n x 1024).
+SEQUENCE_PARALLEL_KEYS = {"accelerate_config", "per_device_train_batch_size", "gradient_accumulation_steps"}
+SEQUENCE_PARALLEL_KEYS |= {"attn_implementation"}
+LONGER_RESPONSE_KEYS = {"max_completion_length"}
 
 
 def load(path):
@@ -120,10 +126,26 @@ def test_sft_recipe_parses_into_sft_config_and_builds_the_opd_student(without_vl
     assert students == {training_args.output_dir}
 
 
+def accelerate_config_of(recipe):
+    return load(RECIPES / "accelerate_configs" / f"{recipe['accelerate_config']}.yaml")
+
+
+def sp_size(accelerate_config):
+    return (accelerate_config.get("parallelism_config") or {}).get("parallelism_config_sp_size", 1)
+
+
+def response_length(path):
+    """`<name>_<n>k.yaml` samples responses of up to n x 1024 tokens; the paper's recipes, 16,384."""
+    match = re.search(r"_(\d+)k$", path.stem)
+    return int(match.group(1)) * 1024 if match else 16384
+
+
 def prompts_per_step(recipe):
-    accelerate_config = load(RECIPES / "accelerate_configs" / f"{recipe['accelerate_config']}.yaml")
+    # The sp_size processes of an SP group are one data-parallel replica: per_device_train_batch_size counts its rows.
+    accelerate_config = accelerate_config_of(recipe)
     processes = recipe.get("num_processes", accelerate_config["num_processes"])
-    return recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * processes
+    replicas = processes // sp_size(accelerate_config)
+    return recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * replicas
 
 
 @pytest.mark.parametrize("path", PAIR_RECIPES, ids=rel)
@@ -133,7 +155,7 @@ def test_pair_recipes_hold_the_papers_hyperparameters(path):
     assert prompts_per_step(recipe) == 64
     expected = {
         "max_prompt_length": 1024,
-        "max_completion_length": 16384,
+        "max_completion_length": response_length(path),
         "temperature": 1.0,
         "top_p": 1.0,
         "optim": "adamw_torch",
@@ -150,8 +172,9 @@ def test_pair_recipes_hold_the_papers_hyperparameters(path):
     if recipe["advantage_mode"] == "tv":
         assert (recipe["tv_ema_decay"], recipe["tv_min_scale"], recipe["tv_eps"]) == (0.95, 0.1, 1e-5)
     assert recipe["output_dir"] == f"outputs/{path.parent.name}/{path.stem}"
-    # As the paper, these recipes evaluate their saved checkpoints offline.
-    assert recipe["accelerate_config"] == "zero3" and recipe["eval_problems"] == 0
+    # As the paper, these recipes evaluate their saved checkpoints offline; they shard with ZeRO-3, with or without
+    # sequence parallelism.
+    assert recipe["accelerate_config"] in ("zero3", "zero3_sp") and recipe["eval_problems"] == 0
 
 
 @pytest.mark.parametrize("pair", PAIRS)
@@ -163,9 +186,42 @@ def test_recipes_of_a_pair_share_its_budget(pair):
         recipe = load(path)
         allowed = METHOD_KEYS | (VLLM_KEYS if recipe.get("use_vllm") else set())
         allowed |= SERVED_TEACHER_KEYS if recipe.get("teacher_model_server_url") else set()
+        allowed |= SEQUENCE_PARALLEL_KEYS if sp_size(accelerate_config_of(recipe)) > 1 else set()
+        allowed |= LONGER_RESPONSE_KEYS if response_length(path) != 16384 else set()
         differing = {key for key in reference.keys() | recipe.keys() if reference.get(key) != recipe.get(key)}
         differing -= {key for key in differing if key.startswith("vllm_") and recipe.get("use_vllm")}
         assert differing <= allowed, f"{rel(path)} also changes {sorted(differing - allowed)}"
+
+
+SP_CONFIGS = [path for path in (RECIPES / "accelerate_configs").glob("*.yaml") if sp_size(load(path)) > 1]
+
+
+@pytest.mark.parametrize("path", SP_CONFIGS, ids=rel)
+def test_sequence_parallel_accelerate_configs_add_up(path):
+    """Ulysses runs through DeepSpeed's engine, and accelerate counts DeepSpeed's batch size with dp_shard_size: it must
+    be the number of SP groups."""
+    config = load(path)
+    parallelism = config["parallelism_config"]
+    assert config["distributed_type"] == "DEEPSPEED"
+    assert parallelism.get("parallelism_config_sp_backend", "deepspeed") == "deepspeed"
+    assert parallelism.get("parallelism_config_cp_size", 1) == 1
+    shards = parallelism.get("parallelism_config_dp_shard_size", 1)
+    assert shards * sp_size(config) == config["num_processes"], "dp_shard_size must be num_processes / sp_size"
+
+
+@pytest.mark.parametrize("path", [p for p in PAIR_RECIPES if sp_size(accelerate_config_of(load(p))) > 1], ids=rel)
+def test_sequence_parallel_recipes_fit_their_layout(path):
+    recipe = load(path)
+    config = accelerate_config_of(recipe)
+    size = sp_size(config)
+    # Each process samples 1/sp_size of its group's rollout rows, so sp_size divides them.
+    rows_per_group = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"]
+    assert rows_per_group * recipe["steps_per_generation"] % size == 0
+    # DeepSpeed checks that Ulysses wraps the attention the student was loaded with.
+    implementation = config["parallelism_config"].get("parallelism_config_sp_attn_implementation", "sdpa")
+    assert recipe.get("attn_implementation", "sdpa") == implementation
+    # Neither packed rows nor a token budget per forward goes with Ulysses.
+    assert not recipe.get("padding_free") and not recipe.get("max_tokens_per_micro_batch")
 
 
 @pytest.mark.parametrize("pair", PAIRS)
