@@ -353,6 +353,8 @@ def test_zero3_lora_trains_and_saves_an_adapter_that_peft_reloads(zero3_lora_run
         ("single_gpu", "NO", 1, None),
         ("zero3_cpu", "DEEPSPEED", 2, 3),
         ("ddp_cpu", "MULTI_GPU", 2, None),  # MULTI_GPU selects the multi-process launcher (see its header)
+        ("zero3_sp", "DEEPSPEED", 8, 3),
+        ("zero3_sp_cpu", "DEEPSPEED", 2, 3),
     ],
 )
 def test_accelerate_configs_load_and_say_how_to_launch_them(name, distributed_type, num_processes, zero_stage):
@@ -367,6 +369,10 @@ def test_accelerate_configs_load_and_say_how_to_launch_them(name, distributed_ty
         assert config.deepspeed_config.get("zero3_save_16bit_model", False) == (zero_stage == 3)
     header = path.read_text().split("\ncompute_environment:")[0]
     assert f"--config_file recipes/accelerate_configs/{name}.yaml" in header
+    if name.startswith("zero3_sp"):  # the processes split into SP groups of 2, as many as dp_shard_size (or 1)
+        sizes = config.parallelism_config
+        assert sizes["parallelism_config_sp_size"] == 2 and sizes["parallelism_config_sp_backend"] == "deepspeed"
+        assert sizes.get("parallelism_config_dp_shard_size", 1) * 2 == num_processes
 
 
 def _train_cli(argv, monkeypatch, capsys):
