@@ -137,7 +137,11 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+# The compatibility legs (`-m "not long"`) run one variant per ZeRO stage: the others exercise this library's code
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=[] if name in ("tv", "raw-zero2") else pytest.mark.long) for name in VARIANTS],
+)
 def sequence_parallel_run(request, tmp_path_factory):
     mode, options, zero = VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
@@ -173,6 +177,7 @@ def test_evaluation_under_sp_runs_whole_rows_and_a_sharded_forward_in_eval_mode_
     assert reference["eval_mode_refusal"] is None
 
 
+@pytest.mark.long
 def test_four_processes_dp_2_by_sp_2_equal_dp_2(tmp_path):
     reference = _launch(tmp_path / "dp", ACCELERATE_CONFIGS / "zero3_cpu.yaml", [], ["tv"], processes=2)
     runs = _launch(
