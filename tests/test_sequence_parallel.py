@@ -2,8 +2,9 @@
 tests/test_distributed.py), against runs without it on the same rollouts.
 
 - 2 processes with SP = 2 (one data-parallel replica) against 1 process, for the modes, a task reward, a teacher of
-  another tokenizer whose spans cross the shard boundary, a tool result that crosses it, two teachers routed by row
-  and gradient checkpointing
+  another tokenizer whose spans cross the shard boundary, a tool result that crosses it, two teachers routed by row,
+  a teacher with 3 attention heads (which Ulysses could not split in 2: it scores whole rows) and gradient
+  checkpointing
   (tests/distributed_scripts/sequence_parallel.py): every per-token tensor the loss reads, the loss, the first step's
   gradient of every parameter (1e-5 relative), every logged value over 3 optimizer steps, evaluation;
 - 4 processes, DP x SP = 2 x 2, against DP = 2;
@@ -133,6 +134,7 @@ VARIANTS = {
     "cross-tokenizer": ("tv", ["teacher=cross"], 3),
     "tools": ("tv", ["tools=1"], 3),
     "two-teachers": ("tv", ["teacher=two"], 3),
+    "three-head-teacher": ("tv", ["teacher=three-heads"], 3),
     "gradient-checkpointing": ("tv", ["checkpointing=1"], 2),
 }
 

@@ -335,6 +335,21 @@ def test_two_processes_train_on_their_shares_of_each_batch_sampled_ahead(server,
     assert torch.equal(first["tensors"]["parameters"], second["tensors"]["parameters"])
 
 
+def test_one_sp_group_of_two_processes_trains_on_its_shares_of_each_batch_sampled_ahead(server, tmp_path):
+    # Sequence parallelism under ZeRO-3: each process samples its half of the group's rollout, and the weights reach
+    # the server from the main process at every step
+    from .test_distributed import launch
+
+    first, second = launch("zero3_sp_cpu.yaml", "vllm_async_ddp.py", tmp_path, server.url, "sp", timeout=600)
+    for rank in (first, second):
+        assert rank["trained"] == rank["loaded"] and len(rank["trained"]) == 3
+    assert all(set(a).isdisjoint(b) for a, b in zip(first["trained"], second["trained"], strict=True))
+    # pi_old, computed on the split rows, is the sampler's at step 1, up to kernels
+    assert all(rank["logs"][0]["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE for rank in (first, second))
+    assert [entry["tv/estimate"] for entry in first["logs"]] == [entry["tv/estimate"] for entry in second["logs"]]
+    assert torch.equal(first["tensors"]["parameters"], second["tensors"]["parameters"])
+
+
 def test_with_two_processes_a_server_failure_found_at_a_weight_sync_stops_both_with_one_error(tmp_path):
     from .test_distributed import launch
 

@@ -126,6 +126,8 @@ class TVOPDTrainer(
 
     With `args.teacher_model_server_url`, the teacher is a vLLM server instead: pass no `teacher_model`, and each
     sampled token's teacher log-probability comes from one prefill request per rollout batch.
+
+    Under DeepSpeed, `parallelism_config.sp_size > 1` splits loss-phase rows over processes (docs/scaling.md, 10).
     """
 
     _tag_names = ["trl", "distillation", "on-policy-distillation", "tv-opd"]

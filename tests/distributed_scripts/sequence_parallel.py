@@ -4,7 +4,7 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `teacher=cross|two`, `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
+`tools=1`, `teacher=cross|two|three-heads`, `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
 (16-32 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 6-12 of every completion are a tool
 result (out of the loss, across the boundary in most rows). The rollout is not shuffled, so that the rows come in the
@@ -46,6 +46,24 @@ RECORDED = (
 
 def token_sum(completion_ids, **kwargs):
     return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def three_head_teacher():
+    """A teacher of the student's vocabulary with 3 attention heads, from a fixed seed."""
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+
+    vocabulary = AutoConfig.from_pretrained(teacher_path()).vocab_size
+    config = Qwen2Config(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        vocab_size=vocabulary,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
 
 
 def full_parameters(trainer):
@@ -140,6 +158,8 @@ def main(output_dir, mode, *options):
         # Not the student itself: its delta is 0 up to rounding, whose sign a split forward may flip
         kwargs["teacher_model"] = {"teacher": teacher_path(), "weak": weak_teacher_path()}
         kwargs["train_dataset"] = prompt_dataset("opd", 32).add_column("teacher_id", ["teacher", "weak"] * 16)
+    if options.get("teacher") == "three-heads":  # heads that sp_size does not divide: it scores whole rows
+        kwargs["teacher_model"] = three_head_teacher()
     if options.get("teacher") == "cross":
         overrides["cross_tokenizer"] = True
         kwargs["teacher_model"] = cross_tokenizer_paths()["triplets"]
