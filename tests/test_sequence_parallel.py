@@ -97,7 +97,11 @@ def assert_same_run(run, reference):
         assert relative_error(gradient, expected) <= 1e-5, name
     assert len(run["log"]) == len(reference["log"]) == 3
     for step, expected in zip(run["log"], reference["log"], strict=True):
+        # DeepSpeed's engine at ZeRO-0 computes no gradient norm when it does not clip
+        assert set(expected) - set(step) <= ({"grad_norm"} if run["zero_stage"] == 0 else set())
         for key, value in expected.items():
+            if key not in step:
+                continue
             if key not in NOT_COMPARED and isinstance(value, float) and math.isfinite(value):
                 assert step[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (step["step"], key)
 
