@@ -21,6 +21,7 @@ from tvopd_trl.sequence_parallel import ShardedRows, shard_rows
 from .test_distributed import (
     ACCELERATE_CONFIGS,
     GLOO_EXIT_ABORT,
+    REPO,
     SCRIPTS,
     _free_port,
     _launch_env,
@@ -266,3 +267,24 @@ def test_the_config_accepts_sequence_parallelism_that_trls_refuses(tmp_path):
     from tvopd_trl.testing import tiny_config
 
     assert tiny_config(tmp_path, parallelism_config=parallelism).parallelism_config is parallelism
+
+
+@pytest.mark.parametrize("config, refused", [("zero3_cpu", True), ("zero3_sp_cpu", False)])
+def test_train_refuses_sp_flags_that_accelerate_would_drop(monkeypatch, capsys, tmp_path, config, refused):
+    # accelerate applies --parallelism_config_* over a config file's `parallelism_config` section only
+    import accelerate.commands.launch
+
+    from tvopd_trl import cli
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    recipe = str(REPO / "recipes" / "tiny" / "tvopd.yaml")
+    argv = ["train", "--config", recipe, "--accelerate_config", config, "--parallelism_config_sp_size", "2"]
+    code = cli.main([*argv, "--output_dir", str(tmp_path)])
+    if refused:
+        assert code == 2 and not launched
+        error = capsys.readouterr().err
+        assert "--parallelism_config_sp_size is applied by accelerate only over a config file's" in error
+        assert "recipes/accelerate_configs/zero3_sp.yaml" in error
+    else:
+        assert code == 0 and launched[0].parallelism_config_sp_size == 2

@@ -120,6 +120,29 @@ def _fill_launch_defaults(launch, training_args):
     return launch
 
 
+def _check_parallelism_flags(launch, defaults):
+    """Refuses `--parallelism_config_*` flags that accelerate would drop without a word: it applies them only over a
+    config file's `parallelism_config` section (or with FSDP2's `--use_parallelism_config`), and the run would train
+    without, say, sequence parallelism."""
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    given = [
+        name
+        for name, value in vars(launch).items()
+        if name.startswith("parallelism_config_") and value != getattr(defaults, name)
+    ]
+    if not given or launch.use_parallelism_config:
+        return
+    path = launch.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    if path is None or not load_config_from_file(path).parallelism_config:
+        raise ValueError(
+            f"--{given[0]} is applied by accelerate only over a config file's `parallelism_config` section, which "
+            f"{path or 'the launch'} lacks: it would train without it. Launch with a config that has one, such as "
+            "recipes/accelerate_configs/zero3_sp.yaml (docs/scaling.md, section 10)."
+        )
+
+
 class Command:
     """`tvopd-trl NAME`: the `make_parser(prog)` and `run(argv) -> int` of `tvopd_trl.scripts.<module>` (by default,
     the module named NAME). `loads_models`: whether it loads models, and so needs `quiet()`, which imports
@@ -159,6 +182,7 @@ class LaunchedCommand(Command):
         training_args = next(args for args in parsed if isinstance(args, TrainingArguments))
         script_args = _subtract_subsequence(argv, cli_remaining)
         launch = launch_command_parser().parse_args([*launch_args, "-m", self.module, *script_args])
+        _check_parallelism_flags(launch, launch_command_parser().parse_args(["-m", self.module]))
         try:
             launch_command(_fill_launch_defaults(launch, training_args))
         # The launched processes printed their own error (one line, see `tvopd_trl.console`); the launcher's
