@@ -60,6 +60,17 @@ def servers(tmp_path_factory):
             server.stop()
 
 
+def test_a_served_teacher_under_sequence_parallelism_equals_one_process(servers, tmp_path):
+    # Each process of the SP group scores its own whole rows on the server before the group gathers them
+    from .test_sequence_parallel import SP_CONFIG, _launch, _single_process, assert_same_run
+
+    script_args = ["tv", "teacher=served", f"url={servers['teacher'].url}"]
+    reference = _single_process(tmp_path / "reference", script_args)
+    for run in _launch(tmp_path / "sp", SP_CONFIG, [], script_args, processes=2):
+        assert run["sp_size"] == 2
+        assert_same_run(run, reference)
+
+
 def run(tmp_path, tokenizer, prompts=32, callbacks=(), teacher=PAIR["teacher"], **overrides):
     """3 steps of TV-OPD on the vLLM-ready pair (transformers rollouts unless `overrides` say otherwise); returns the
     trainer and its per-step logs."""

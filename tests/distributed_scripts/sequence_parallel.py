@@ -4,7 +4,8 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `teacher=cross|two|three-heads`, `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
+`tools=1`, `teacher=cross|two|three-heads|served` (with `url=`: a vLLM server of the vLLM-ready pair's teacher, whose
+student then trains), `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
 (16-32 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 6-12 of every completion are a tool
 result (out of the loss, across the boundary in most rows). The rollout is not shuffled, so that the rows come in the
@@ -19,13 +20,13 @@ import sys
 import torch
 from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result, skip_deepspeed_shm_op
-from transformers import TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 
 import tvopd_trl.rollout_batching
 import tvopd_trl.sequence_parallel
 from tvopd_trl import TVOPDTrainer
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
-from tvopd_trl.tiny import cross_tokenizer_paths, prompt_dataset, teacher_path, weak_teacher_path
+from tvopd_trl.tiny import cross_tokenizer_paths, prompt_dataset, teacher_path, vllm_paths, weak_teacher_path
 
 
 LEARNING_RATE = 0.1
@@ -133,7 +134,7 @@ class RecordingTrainer(TVOPDTrainer):
 
 
 def main(output_dir, mode, *options):
-    options = dict(option.split("=") for option in options)
+    options = dict(option.split("=", 1) for option in options)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # The rollout as generated, in process order: both runs see the same rows in the same order
     tvopd_trl.rollout_batching.shuffle_sequence_dict = tvopd_trl.sequence_parallel.shuffle_sequence_dict = dict
@@ -160,6 +161,12 @@ def main(output_dir, mode, *options):
         kwargs["train_dataset"] = prompt_dataset("opd", 32).add_column("teacher_id", ["teacher", "weak"] * 16)
     if options.get("teacher") == "three-heads":  # heads that sp_size does not divide: it scores whole rows
         kwargs["teacher_model"] = three_head_teacher()
+    if options.get("teacher") == "served":  # scores whole rows on the server, before the SP group gathers them
+        pair = vllm_paths()
+        overrides["teacher_model_server_url"] = options["url"]
+        tokenizer = AutoTokenizer.from_pretrained(pair["student"], padding_side="left")
+        kwargs.update(model=pair["student"], teacher_model=None, processing_class=tokenizer)
+        kwargs["teacher_processing_class"] = tokenizer
     if options.get("teacher") == "cross":
         overrides["cross_tokenizer"] = True
         kwargs["teacher_model"] = cross_tokenizer_paths()["triplets"]
