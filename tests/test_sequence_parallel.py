@@ -141,7 +141,7 @@ VARIANTS = {
 }
 
 
-# The compatibility legs (`-m "not long"`) run one variant per ZeRO stage: the others exercise this library's code
+# The compatibility legs (`-m "not long"`) run two variants, at ZeRO-2 and ZeRO-3: the others exercise this library's code
 @pytest.fixture(
     scope="module",
     params=[pytest.param(name, marks=[] if name in ("tv", "raw-zero2") else pytest.mark.long) for name in VARIANTS],
