@@ -98,23 +98,24 @@ def wait_launch(process, what, timeout=300):
         pytest.fail(f"{what} did not finish within {limit:g} s. {note}\n{stdout[-2000:]}\n{stderr[-6000:]}")
 
 
-def launch(config, script, output_dir, *script_args, timeout=300):
-    """Runs a script of tests/distributed_scripts with `accelerate launch` on one of our accelerate configs, and returns
-    each rank's `rank-<i>.json` (with the tensors of `rank-<i>.pt`, when the script saved any, under "tensors")."""
+def launch(config, script, output_dir, *script_args, timeout=300, launch_args=(), processes=NUM_PROCESSES):
+    """Runs a script of tests/distributed_scripts with `accelerate launch` on one of our accelerate configs (with
+    `launch_args` over it, starting `processes`), and returns each rank's `rank-<i>.json` (with the tensors of
+    `rank-<i>.pt`, when the script saved any, under "tensors")."""
     output_dir.mkdir(parents=True, exist_ok=True)
     process = start_launch(
-        ["--config_file", str(ACCELERATE_CONFIGS / config), "--main_process_port", str(_free_port())]
+        ["--config_file", str(ACCELERATE_CONFIGS / config), "--main_process_port", str(_free_port()), *launch_args]
         + [str(SCRIPTS / script), str(output_dir), *script_args]
     )
     stdout, stderr = wait_launch(process, script, timeout)
 
     log = f"{script}: exit code {process.returncode}\n{stdout[-2000:]}\n{stderr[-6000:]}"
-    done = [(output_dir / f"rank-{rank}.done").exists() for rank in range(NUM_PROCESSES)]
+    done = [(output_dir / f"rank-{rank}.done").exists() for rank in range(processes)]
     assert all(done), f"ranks done: {done}\n{log}"
     # Every rank finished its work; a non-zero exit code is then only acceptable as gloo's known exit abort.
     assert process.returncode == 0 or GLOO_EXIT_ABORT in stderr, log
     results = []
-    for rank in range(NUM_PROCESSES):
+    for rank in range(processes):
         result = json.loads((output_dir / f"rank-{rank}.json").read_text())
         assert result["rank"] == rank
         tensors = output_dir / f"rank-{rank}.pt"

@@ -20,13 +20,10 @@ from tvopd_trl.sequence_parallel import ShardedRows, shard_rows
 
 from .test_distributed import (
     ACCELERATE_CONFIGS,
-    GLOO_EXIT_ABORT,
     REPO,
     SCRIPTS,
-    _free_port,
     _launch_env,
-    start_launch,
-    wait_launch,
+    launch,
 )
 
 
@@ -37,15 +34,11 @@ NOT_COMPARED = ("step_time", "epoch", "teacher/request_seconds")
 
 
 def _launch(output_dir, config, launch_args, script_args, processes, timeout=300):
-    process = start_launch(
-        ["--config_file", str(config), "--main_process_port", str(_free_port()), *launch_args]
-        + [str(SCRIPT), str(output_dir), *script_args]
+    """Each rank's results of tests/distributed_scripts/sequence_parallel.py under `config`, its tensors merged in."""
+    runs = launch(
+        config, SCRIPT.name, output_dir, *script_args, timeout=timeout, launch_args=launch_args, processes=processes
     )
-    stdout, stderr = wait_launch(process, f"sequence_parallel.py {' '.join(script_args)}", timeout)
-    log = f"exit code {process.returncode}\n{stdout[-2000:]}\n{stderr[-6000:]}"
-    assert all((output_dir / f"rank-{rank}.done").exists() for rank in range(processes)), log
-    assert process.returncode == 0 or GLOO_EXIT_ABORT in stderr, log
-    return [_result(output_dir, rank) for rank in range(processes)]
+    return [{**run, **run.pop("tensors")} for run in runs]
 
 
 def _result(output_dir, rank):
