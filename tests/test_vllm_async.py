@@ -18,7 +18,7 @@ import torch
 from requests.adapters import HTTPAdapter
 from transformers import AutoTokenizer, TrainerCallback
 
-from tvopd_trl.async_rollouts import RolloutServerError, sample_on_server
+from tvopd_trl.async_rollouts import RolloutProducer, RolloutServerError, sample_on_server
 from tvopd_trl.checkpoints import last_complete_checkpoint
 from tvopd_trl.testing import LocalVLLMServer, tiny_config
 from tvopd_trl.tiny import prompt_dataset, vllm_paths
@@ -236,20 +236,38 @@ def test_the_background_request_is_trls(trained):
     assert sent[0] == sent[1]
 
 
-def test_with_a_sampler_blind_to_the_weights_asynchronous_training_is_the_synchronous_one(server, tokenizer, tmp_path):
+def test_with_a_sampler_blind_to_the_weights_asynchronous_training_is_the_synchronous_one(
+    server, tokenizer, tmp_path, monkeypatch
+):
     """A stand-in for the server's sampling that ignores the weights (the weight syncs still reach the real server):
     staleness then changes nothing, so that the same prompts, completions and sampler log-probabilities must give the
-    synchronous run's losses and parameters, bit for bit."""
+    synchronous run's losses and parameters, bit for bit. Each weight sync waits until the producer has sampled every
+    batch the bound allows, so that the staleness of each step is fixed rather than left to the threads' timing."""
+    sampled = []
 
     def blind(prompts, **kwargs):
+        sampled.append(len(prompts))
         completions = [
             [(sum(ids) * (i + 3)) % 250 + 20 for i in range(6)] + [tokenizer.eos_token_id] for ids in prompts
         ]
         logprobs = [[[-0.1 * (j + 1)] for j in range(7)] for _ in prompts]
         return {"prompt_ids": prompts, "completion_ids": completions, "logprobs": logprobs, "logprob_token_ids": None}
 
+    update_weights, syncs = RolloutProducer.update_weights, []
+
+    def update_weights_once_sampled_ahead(producer, *args, **kwargs):
+        syncs.append(None)
+        # Before the k-th sync (version k - 1), batches up to k - 1 + max_staleness may be sampled, out of 4
+        deadline = time.monotonic() + time_limit(60)
+        while len(sampled) < min(len(syncs) + producer.max_staleness, 4):
+            assert time.monotonic() < deadline, "the producer did not sample ahead"
+            time.sleep(0.01)
+        return update_weights(producer, *args, **kwargs)
+
+    monkeypatch.setattr(RolloutProducer, "update_weights", update_weights_once_sampled_ahead)
     runs = {}
     for staleness in (0, 2):
+        sampled.clear()
         trainer = async_trainer(tmp_path / str(staleness), server, tokenizer, max_steps=4, max_staleness=staleness)
         trainer.vllm_generation.vllm_client.generate = blind
         trainer.train()
@@ -257,9 +275,9 @@ def test_with_a_sampler_blind_to_the_weights_asynchronous_training_is_the_synchr
         runs[staleness] = (step_logs(trainer.state.log_history), parameters)
     (synchronous, synchronous_parameters), (asynchronous, asynchronous_parameters) = runs[0], runs[2]
     assert torch.equal(synchronous_parameters, asynchronous_parameters)
-    assert [asynchronous[step]["async/staleness/max"] for step in (1, 2)] == [0, 1]  # rollout 1: sampled at once
+    assert syncs, "the asynchronous run never went through the producer"
+    assert [asynchronous[step]["async/staleness/max"] for step in (1, 2, 3, 4)] == [0, 1, 2, 2]
     for step in (1, 2, 3, 4):
-        assert asynchronous[step]["async/staleness/max"] <= min(step - 1, 2)
         for key in ("loss", "tv/estimate", "tv/scale", "sampling/sampling_logp_difference/mean"):
             assert asynchronous[step][key] == synchronous[step][key], (step, key)
 
