@@ -12,13 +12,19 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 
-"""The sampled token's log-probability through an LM head, for devices without Triton.
+"""The sampled token's log-probability through an LM head, for devices without Triton and for a head at the model's
+precision.
 
-On CUDA and XPU, `TVOPDTrainer` scores tokens with TRL's fused LM head, whose Triton kernels project only the scored
-positions. Without Triton, TRL projects every position, prompt included, and folds each logits tile with out-of-place
-torch operations, about eight tile-sized buffers at its peak (measured in `docs/performance.md`, section 6). This
-function does the same arithmetic in one reused tile: a running logsumexp and a gather going forward; the tile
+On CUDA and XPU, `TVOPDTrainer` scores tokens with TRL's fused LM head by default, whose Triton kernels project only the
+scored positions. Without Triton, TRL projects every position, prompt included, and folds each logits tile with
+out-of-place torch operations, about eight tile-sized buffers at its peak (measured in `docs/performance.md`, section
+6). This function does the same arithmetic in one reused tile: a running logsumexp and a gather going forward; the tile
 recomputed and turned in place into the logits gradient going backward.
+
+The tile is float32 whatever the operands' dtype (`compute_dtype`): with bf16 operands, the products are summed and
+returned in float32 (`torch.mm(..., out_dtype=torch.float32)` on CUDA; elsewhere, where `aten::mm.dtype` does not
+exist, each vocabulary chunk of the operands is upcast exactly), so that bf16 rounding of the logits themselves never
+decides sign(delta), and no float32 copy of the whole head is ever made.
 """
 
 import torch
@@ -28,27 +34,49 @@ import torch
 VOCAB_CHUNK_SIZE = 32768
 
 
+def _accumulation_dtype(hidden):
+    return torch.promote_types(hidden.dtype, torch.float32)
+
+
+def _matmul_fp32(out, a, b, accumulate=False):
+    """`out = a @ b` (or `out += a @ b` with `accumulate`) for an `out` of float32 or wider: the products of `a` and
+    `b` in their own dtype, summed in `out`'s."""
+    if a.dtype != out.dtype and a.is_cuda:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        return
+    a, b = a.to(out.dtype), b.to(out.dtype)  # exact: every bf16 or fp16 value is a float32 value
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
 def _project(tile, hidden, weight, bias, start, temperature):
-    """`tile = (hidden @ weight[start:].T + bias) / temperature`, one chunk of the vocabulary, in the tile's dtype."""
+    """`tile = (hidden @ weight[start:].T + bias) / temperature`, one chunk of the vocabulary, at `hidden`'s dtype
+    summed in the `tile`'s (float32, or float64 for float64 operands)."""
     end = start + tile.size(1)
-    torch.mm(hidden, weight[start:end].to(tile.dtype).t(), out=tile)
+    _matmul_fp32(tile, hidden, weight[start:end].to(hidden.dtype).t())
     if bias is not None:
         tile.add_(bias[start:end].to(tile.dtype))
     return tile.div_(temperature)
 
 
 class ChunkedSampledLogProb(torch.autograd.Function):
-    """`log_softmax((hidden @ weight.T + bias) / temperature)[n, targets[n]]` for float32 `hidden` of shape `(N, H)`,
-    and, with `with_entropy`, the entropy of each row's distribution (no gradient; `None` otherwise)."""
+    """`log_softmax((hidden @ weight.T + bias) / temperature)[n, targets[n]]` in float32, for `hidden` of shape
+    `(N, H)` whose dtype the projection's operands take, and, with `with_entropy`, the entropy of each row's
+    distribution (no gradient; `None` otherwise)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy=False):
-        rows = torch.arange(hidden.size(0), device=hidden.device)
-        logsumexp = hidden.new_full((hidden.size(0),), -torch.inf)
-        target_logit = hidden.new_zeros(hidden.size(0))
+        rows, dtype = torch.arange(hidden.size(0), device=hidden.device), _accumulation_dtype(hidden)
+        logsumexp = hidden.new_full((hidden.size(0),), -torch.inf, dtype=dtype)
+        target_logit = hidden.new_zeros(hidden.size(0), dtype=dtype)
         # sum_v p_v z_v, kept as a running average over the chunks weighted by their share of the mass
-        mean_logit = hidden.new_zeros(hidden.size(0)) if with_entropy else None
-        buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)))
+        mean_logit = hidden.new_zeros(hidden.size(0), dtype=dtype) if with_entropy else None
+        buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)), dtype=dtype)
         for start in range(0, weight.size(0), chunk_size):
             width = min(chunk_size, weight.size(0) - start)
             tile = _project(buffer[:, :width], hidden, weight, bias, start, temperature)
@@ -77,11 +105,11 @@ class ChunkedSampledLogProb(torch.autograd.Function):
         hidden, weight, bias, targets, logsumexp = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        rows = torch.arange(hidden.size(0), device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if needs_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=hidden.dtype, device=weight.device) if needs_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=hidden.dtype, device=bias.device) if needs_bias else None
-        buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)))
+        rows, dtype = torch.arange(hidden.size(0), device=hidden.device), _accumulation_dtype(hidden)
+        grad_hidden = torch.zeros_like(hidden, dtype=dtype) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if needs_bias else None
+        buffer = hidden.new_empty(hidden.size(0), min(chunk_size, weight.size(0)), dtype=dtype)
         for start in range(0, weight.size(0), chunk_size):
             width = min(chunk_size, weight.size(0) - start)
             tile = _project(buffer[:, :width], hidden, weight, bias, start, temperature)
@@ -91,14 +119,16 @@ class ChunkedSampledLogProb(torch.autograd.Function):
             inside = (local >= 0) & (local < width)
             tile[rows[inside], local[inside]] += grad[inside]
             tile.div_(temperature)
+            # The logits' gradient at the operands' dtype, as the rest of the model's backward has it
+            operand = tile.to(hidden.dtype)
             if needs_hidden:
-                grad_hidden.addmm_(tile, weight[start : start + width].to(tile.dtype))
+                _matmul_fp32(grad_hidden, operand, weight[start : start + width].to(hidden.dtype), accumulate=True)
             if needs_weight:
-                grad_weight[start : start + width].addmm_(tile.t(), hidden)
+                _matmul_fp32(grad_weight[start : start + width], operand.t(), hidden, accumulate=True)
             if needs_bias:
                 grad_bias[start : start + width] += tile.sum(dim=0)
         return (
-            grad_hidden,
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
             None,
@@ -109,15 +139,23 @@ class ChunkedSampledLogProb(torch.autograd.Function):
 
 
 def sampled_token_logprobs(
-    hidden, weight, bias, targets, temperature=1.0, chunk_size=VOCAB_CHUNK_SIZE, return_entropy=False
+    hidden,
+    weight,
+    bias,
+    targets,
+    temperature=1.0,
+    chunk_size=VOCAB_CHUNK_SIZE,
+    return_entropy=False,
+    compute_dtype=torch.float32,
 ):
     """Float32 log-probabilities of `targets` (any shape) given the matching `hidden` states (same shape + `(H,)`).
 
-    The projection and the softmax run in float32 whatever the dtype of `hidden` and of the head, so that a token's
-    sign(delta) is never decided by bf16 rounding. With `return_entropy`, also the entropy of each position's
-    distribution (same shape, detached), folded into the same pass over the vocabulary.
+    The projection's operands (`hidden` and each chunk of the head) are cast to `compute_dtype`: float32 (the default)
+    or the model's own dtype, for the same products without a float32 copy of the head. Either way the products are
+    summed, and the softmax runs, in float32. With `return_entropy`, also the entropy of each position's distribution
+    (same shape, detached), folded into the same pass over the vocabulary.
     """
-    flat = hidden.reshape(-1, hidden.size(-1)).float()
+    flat = hidden.reshape(-1, hidden.size(-1)).to(compute_dtype)
     logps, entropy = ChunkedSampledLogProb.apply(
         flat, weight, bias, targets.reshape(-1), temperature, chunk_size, return_entropy
     )

@@ -269,13 +269,25 @@ class CompletionScoringMixin:
         # TRL's fused head is the right kernel where it runs Triton, and the only one that knows every model's logit
         # post-processing, FSDP's DTensors and ZeRO-3. Elsewhere (CPU) `chunked_logprob` projects only the completion
         # positions through one reused tile: half the time and an eighth of the memory (docs/performance.md).
+        # `lm_head_precision="model"` needs a float32-output GEMM from bf16 operands, which TRL's head does not do: this
+        # module's head runs it on one device or under DDP.
         config = self.accelerator.unwrap_model(model).config.get_text_config()
         return (
-            device.type != "cpu"
+            (device.type != "cpu" and self.args.lm_head_precision == "float32")
             or self.is_fsdp_enabled
             or self.is_deepspeed_enabled
             or any(getattr(config, name, None) is not None for name in LOGIT_POSTPROCESSING_ATTRIBUTES)
         )
+
+    def _lm_head_dtype(self, weight):
+        """The dtype of the LM head's operands: float32, or with `lm_head_precision="model"` the dtype the model
+        computes in (autocast's, or its weights')."""
+        if self.args.lm_head_precision == "float32":
+            return torch.float32
+        with self.accelerator.autocast():
+            if torch.is_autocast_enabled(weight.device.type):
+                return torch.get_autocast_dtype(weight.device.type)
+        return weight.dtype
 
     def _fused_head_logps(self, model, input_ids, attention_mask, logits_to_keep, packed, with_entropy):
         """Through TRL's fused LM head: the log-probabilities (and entropies) of the completion tokens, `(B, T)`."""
@@ -320,6 +332,7 @@ class CompletionScoringMixin:
                 input_ids[:, -logits_to_keep:] if packed is None else packed.targets,
                 temperature=self.temperature,
                 return_entropy=with_entropy,
+                compute_dtype=self._lm_head_dtype(head.weight),
             )
         scores = scores if with_entropy else (scores, None)
         if packed is None:
