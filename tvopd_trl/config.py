@@ -100,9 +100,14 @@ class TVOPDConfig(DistillationConfig):
             run. `0` fixes D_ref at the first rollout batch with any of its tokens. The pooled scale (one teacher, or
             `tv_scale_per_teacher=False`) keeps the paper's rule, its first rollout batch (docs/method.md, section 4).
         log_update_norm (`bool`, *optional*, defaults to `True`):
-            Whether to log `update/norm`, the norm of each optimizer step's realised parameter change. It needs a copy
-            of the trainable parameters (of the local shard when sharded) from just before `optimizer.step()` to just
+            Whether to log `update/norm`, the norm of each optimizer step's realised parameter change. With a torch
+            optimizer that steps each parameter on its own (AdamW, SGD, ...; no fp16 gradient scaler), the step runs
+            in buckets of parameters, each copied just before its part of the step: about 1/64 of the trainable
+            parameters' memory, or the largest parameter's. Otherwise (DeepSpeed, other optimizers) it needs a copy of
+            the trainable parameters (of the local shard when sharded) from just before `optimizer.step()` to just
             after: parameter-sized memory like one AdamW moment. `False` takes no copy and logs no `update/norm`.
+        update_norm_interval (`int`, *optional*, defaults to `1`):
+            Log `update/norm` on every this many optimizer steps (the first included); the others take no copy.
         log_exact_tv (`bool`, *optional*, defaults to `False`):
             Whether to log `tv/exact`, the exact mean conditional TV over the vocabulary at every active state. It
             costs one extra no-grad forward of both models and a chunked pass over their vocabulary projections per
@@ -162,6 +167,14 @@ class TVOPDConfig(DistillationConfig):
             `per_device_train_batch_size` rows at a time. It bounds a forward's peak memory; it does not change the
             micro-batches, the optimizer steps or the token-mean (docs/scaling.md, section 9). Unset, a forward takes
             `per_device_train_batch_size` rows.
+
+        > Parameters that control the LM head's precision
+
+        lm_head_precision (`str`, *optional*, defaults to `"float32"`):
+            The precision of the sampled-token LM head: `"float32"` projects float32 hidden states through float32
+            weights (TRL's `cast_lm_head_to_fp32`); `"model"` multiplies at the model's compute dtype (the autocast
+            dtype, or the weights' own) and accumulates and returns the logits in float32, so that no float32 copy of
+            the head's weight is made. The log-softmax runs in float32 either way.
 
         > Parameters that control the data preprocessing
 
@@ -317,7 +330,11 @@ class TVOPDConfig(DistillationConfig):
     )
     log_update_norm: bool = field(
         default=True,
-        metadata={"help": "Whether to log `update/norm` (costs a copy of the trainable parameters at each step)."},
+        metadata={"help": "Whether to log `update/norm` (costs a copy of some or all trainable parameters)."},
+    )
+    update_norm_interval: int = field(
+        default=1,
+        metadata={"help": "Log `update/norm` on every this many optimizer steps (>= 1)."},
     )
     log_exact_tv: bool = field(
         default=False,
@@ -362,6 +379,16 @@ class TVOPDConfig(DistillationConfig):
     max_tokens_per_micro_batch: int | None = field(
         default=None,
         metadata={"help": "Token budget of one loss-phase forward; unset, it takes per_device_train_batch_size rows."},
+    )
+
+    # Parameters that control the LM head's precision
+    lm_head_precision: str = field(
+        default="float32",
+        metadata={
+            "help": "Precision of the sampled-token LM head: `float32` inputs, or the model's own with float32 "
+            "accumulation (`model`).",
+            "choices": ["float32", "model"],
+        },
     )
 
     # Parameters that control the data preprocessing
@@ -509,6 +536,11 @@ class TVOPDConfig(DistillationConfig):
                 "sampled-token policy gradient chosen by `advantage_mode` (`raw` is the closest to beta=1, reverse KL). "
                 "Remove `beta`."
             )
+        if self.lm_head_precision not in ("float32", "model"):
+            raise ValueError(
+                f"lm_head_precision must be 'float32' or 'model' (the model's compute dtype, summed in float32), got "
+                f"{self.lm_head_precision!r}."
+            )
         if self.tv_scale_target not in ("advantage", "learning_rate"):
             raise ValueError(f"tv_scale_target must be 'advantage' or 'learning_rate', got {self.tv_scale_target!r}.")
         if self.tv_scale_target == "learning_rate" and "scale" not in spec.inputs:
@@ -523,6 +555,11 @@ class TVOPDConfig(DistillationConfig):
         for name in ("num_iterations", "steps_per_generation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.update_norm_interval < 1:
+            raise ValueError(
+                f"update_norm_interval must be >= 1, got {self.update_norm_interval}: 1 logs `update/norm` on every "
+                "optimizer step. To log none, set log_update_norm=False."
+            )
         self._check_reward_settings()
         if self.max_completion_length is None or self.max_completion_length < 1:
             raise ValueError(
