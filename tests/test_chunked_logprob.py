@@ -107,9 +107,10 @@ def test_bf16_operands_give_their_exact_products_summed_in_float32():
 
 
 def test_the_trainer_s_head_precision_follows_the_config(make_trainer, tmp_path):
-    trainer = make_trainer(tiny_config(tmp_path))
+    trainer = make_trainer(tiny_config(tmp_path, lm_head_precision="float32"))
     weight = torch.zeros(2, 2, dtype=torch.bfloat16)
     assert trainer._lm_head_dtype(weight) == torch.float32
+    assert trainer._scores_with_trl_kernels(trainer.model, torch.device("cuda"))  # TRL's Triton kernels
     trainer.args.lm_head_precision = "model"
     assert trainer._lm_head_dtype(weight) == torch.bfloat16
     assert trainer._lm_head_dtype(weight.float()) == torch.float32  # a float32 model without autocast (CPU)
@@ -146,7 +147,6 @@ def test_the_trainer_keeps_trls_head_where_ours_does_not_apply(make_trainer, tmp
     trainer = make_trainer(tiny_config(tmp_path))
     cpu = torch.device("cpu")
     assert not trainer._scores_with_trl_kernels(trainer.model, cpu)
-    assert trainer._scores_with_trl_kernels(trainer.model, torch.device("cuda"))  # TRL's Triton kernels
     trainer.accelerator.unwrap_model(trainer.model).config.final_logit_softcapping = 30.0
     assert trainer._scores_with_trl_kernels(trainer.model, cpu)  # post-processed logits: only TRL reproduces them
 

@@ -238,8 +238,8 @@ class TVOPDTrainer(
         # name -> TokenizerAlignment of each teacher with another tokenizer (`cross_tokenizer`)
         self.alignments = check_loaded_trainer(self, teacher_tokenizers, shared_vocabulary)
 
-        # Sampled-token log-probabilities without (B, T, V) logits, projected in float32 so that sign(delta) is never
-        # decided by bf16 rounding.
+        # TRL's head (sharded models, `lm_head_precision="float32"` on a GPU): float32 logits without (B, T, V) of them,
+        # so that sign(delta) is never decided by bf16 rounding of the logits (`chunked_logprob` otherwise).
         student = self.accelerator.unwrap_model(self.model)
         add_fused_lm_head(
             student.get_base_model() if hasattr(student, "get_base_model") else student,
