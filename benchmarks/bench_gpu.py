@@ -1,6 +1,7 @@
 """GPU evidence: loss-phase step time, peak GPU memory and model FLOPs utilisation of TV-OPD against TRL, on one GPU.
 
     python benchmarks/bench_gpu.py --generation --zero3 --profile --packing  # on one CUDA GPU (estimate at start)
+    python benchmarks/bench_gpu.py --preset precision --deadline-s 330   # issue 49: bf16 student, bf16 LM head
     OMP_NUM_THREADS=1 python benchmarks/bench_gpu.py --quick            # CPU validation: tiny shapes, every path
     python benchmarks/bench_gpu.py --estimate-only                      # the full run's time estimate, then exit
 
@@ -9,9 +10,10 @@ heads, 2 KV heads, MLP 8,960, vocabulary 151,936, untied LM head), built from co
 the GPU (`common.build_model`; no Hub). Precision as the paper's 1.5B recipe
 (`recipes/justrl-1.5b_to_ds-distill-qwen-1.5b/tvopd.yaml`) sets it: the student in float32 (TRL loads it so when
 no dtype is given), the teacher in bfloat16 (`teacher_model_init_kwargs: {dtype: bfloat16}`), `bf16=True`,
-`gradient_checkpointing=True`, `optim="adamw_torch"`; `--student-dtype bfloat16` (or both) adds the pure-bf16
-variant. Batch: B = 1 prompt of P = 256 tokens per optimizer step (the recipe's micro-batch), completions of T =
-2,048 and 8,192 tokens (`--long` adds 16,384), one optimizer step per rollout, no gradient accumulation.
+`gradient_checkpointing=True`, `optim="adamw_torch"` (`--optim adamw_torch_fused`: the recipe's since issue 49);
+`--student-dtype bfloat16` (or both) adds the pure-bf16 variant. Batch: B = 1 prompt of P = 256 tokens per optimizer
+step (the recipe's micro-batch), completions of T = 2,048 and 8,192 tokens (`--long` adds 16,384), one optimizer step
+per rollout, no gradient accumulation.
 
 Completions: one rollout per T, fed to every trainer through `common.use_fixed_completions` as in `bench_step.py`
 (the loss phase: see common.py). On the GPU the completion tokens are drawn uniformly (seeded) instead of sampled:
@@ -22,20 +24,38 @@ student (`common.rollout`), as `bench_step.py` does.
 Trainers, each built on fresh models (seed 0 student, seed 1 teacher) in this one process, one at a time, everything
 freed in between:
 
-    tv          TVOPDTrainer(advantage_mode="tv")
+    tv          TVOPDTrainer(advantage_mode="tv"), the config's default LM head (`lm_head_precision="model"` since
+                issue 49; each run records which)
     raw         TVOPDTrainer(advantage_mode="raw")
     distill     trl.DistillationTrainer(beta=1.0)
     tv-nonorm   TVOPDTrainer(advantage_mode="tv", log_update_norm=False): without the parameter copy of update/norm
+    tv-bf16head TVOPDTrainer(advantage_mode="tv", lm_head_precision="model"): the sampled-token LM head multiplies at
+                the model's compute dtype (bf16 under autocast or for bf16 weights), sums and returns float32, and
+                makes no float32 copy of its weight
+    tv-fp32head TVOPDTrainer(advantage_mode="tv", lm_head_precision="float32"): float32 hidden states through a float32
+                head (TRL's `cast_lm_head_to_fp32=True`; the only head before issue 49, and the one the H200 calls of
+                docs/performance.md section 8 measured)
 
 Reported per (student dtype, T, trainer): the median loss-phase seconds per optimizer step over `--steps` steps, the
 first dropped as warm-up (CUDA work synchronised at both ends of every step), completion tokens per second (B x T /
 median), `torch.cuda.max_memory_allocated` over the steps (reset after the trainer is built), the ratios to
 `distill`, and the model FLOPs utilisation: the FLOP floor of sampled-token OPD (`floor_flops`, below and in
-docs/performance.md) / (median seconds x the GPU's published dense bf16 peak). Then the issue's targets at T =
-8,192, met or missed.
+docs/performance.md) / (median seconds x the GPU's published dense bf16 peak). Then the targets (`TARGETS`) at the
+largest T, met or missed, for every `tv` variant run: for a float32 student (the recipe's load dtype) issue 39's
+(throughput >= 2x `distill`'s, peak memory <= 0.8x, `tv` within 2% of `raw`, MFU >= 40%); for a bf16 student issue
+49's (throughput >= 1.2x `distill`'s, peak memory <= 0.8x, MFU >= 35%).
+
+`--preset precision` (issue 49) is one prepared call: TF32 on, `optim="adamw_torch_fused"` (the GPU recipes'), T =
+8,192 and 16,384 (the default grid's largest T and twice it), a float32 and a bf16 student, each with `tv-bf16head`,
+`tv-fp32head` (the two heads side by side) and `distill`, the targets at both T, then the profile of the bf16
+student's `tv-bf16head` step at 8,192 and the padding-free comparison on that student and head. Under the recipes'
+ZeRO-3 the student's weights are bf16 (DeepSpeed's `bf16`, float32 master weights in its optimizer:
+docs/scaling.md) and the head is TRL's float32 one whatever `lm_head_precision` says, so the bf16 student's
+`tv-fp32head` rows are the recipes' compute; the float32 rows are a single-GPU launch's (autocast).
 
 Optional parts, in this order, each skipped (and said so) when its estimated time would end the run after
-`--deadline-s` seconds: `--profile` (torch.profiler over one `tv` step at the largest T: CUDA time per kernel class);
+`--deadline-s` seconds (`--estimate-only` lists the ones the estimate already skips): `--profile` (torch.profiler
+over one `tv` step at the largest T, or the preset's step: CUDA time per kernel class);
 `--generation` (transformers `generate` tokens per second of the student, batch 1 and 8, the rollout side without
 vLLM); `--packing` (the loss phase of one rollout of B = 8 rows at the largest T, completion lengths distributed like
 a reasoning run's, padded against `padding_free` with and without a token budget: `bench_packing.py`'s rows on the
@@ -60,6 +80,9 @@ import common
 import torch
 
 
+PROCESS_START = time.perf_counter()  # the deadline counts from here: the imports above are the estimate's startup
+
+
 # DeepSeek-R1-Distill-Qwen-1.5B's config.json (Qwen2ForCausalLM): untied embeddings, q/k/v biases.
 PAPER_PAIR = dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960)
 TINY_PAIR = dict(vocab=2048, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
@@ -75,6 +98,23 @@ RUNS = {  # name: (common.TRAINERS key, config overrides)
     "raw": ("raw", {}),
     "distill": ("distill", {}),
     "tv-nonorm": ("tv", {"log_update_norm": False}),
+    "tv-bf16head": ("tv", {"lm_head_precision": "model"}),
+    "tv-fp32head": ("tv", {"lm_head_precision": "float32"}),
+}
+# Prepared calls: `--preset NAME` sets these options (T: multiples of the default grid's largest T, so that `--quick`
+# runs the same call on its tiny shapes). `trainers` per student dtype; `primary`: the (student dtype, trainer) that
+# the profile and the padding-free comparison run.
+PRESETS = {
+    "precision": dict(  # issue 49: the bf16 student and the bf16 LM head against DistillationTrainer, TF32 on
+        student_dtype=["float32", "bfloat16"],
+        completion_factors=[1, 2],
+        trainers={dtype: ["tv-bf16head", "tv-fp32head", "distill"] for dtype in ("float32", "bfloat16")},
+        tf32=True,
+        optim="adamw_torch_fused",
+        profile=True,
+        packing=True,
+        primary=("bfloat16", "tv-bf16head"),
+    ),
 }
 WARMUP_STEPS = 1
 GIB = 2**30
@@ -92,12 +132,15 @@ BF16_PEAK_TFLOPS = (
     ("L40S", 362.1),
 )
 
-# Assumptions of the time estimate printed at start (not measurements): see `estimate`.
+# Assumptions of the time estimate printed at start (not measurements of this run): see `estimate`. Calibrated on the
+# H200 calls of benchmarks/results/gpu/ (1.5B pair), with room: the first call's estimate (15 s per run, 45 TFLOP/s)
+# was twice its wall time.
 ASSUMED = dict(
     startup_s=30.0,  # imports, CUDA context, the tokenizer
-    run_overhead_s=15.0,  # two models built on the GPU, the trainer, the warm-up step's kernel compilation
-    bf16_mfu=0.30,  # of the bf16 peak, for the work that runs in bf16 (every tv/raw matmul under autocast)
-    fp32_tflops=45.0,  # float32 matmuls without TF32 (torch's default): DistillationTrainer's float32 student
+    run_overhead_s=8.0,  # two models built on the GPU, the trainer (measured 3 to 5 s per run besides its steps)
+    bf16_mfu=0.30,  # of the bf16 peak, for the work that runs in bf16 (measured: 28% to 31% at T = 8,192)
+    fp32_tflops=30.0,  # float32 matmuls without TF32: DistillationTrainer's float32 student (measured 29 to 33)
+    tf32_tflops=75.0,  # the same with TF32 (measured 87 at T = 8,192)
     generate_token_s=0.035,  # one decoding step of transformers generate at 1.5B, launch-bound
     zero3_startup_s=60.0,  # accelerate launch, DeepSpeed import and engine set-up
 )
@@ -176,9 +219,10 @@ def rollout(shape, quick, cache_dir):
 
 
 def trainer_settings(job):
-    """Config overrides shared by every trainer: the recipe's precision, checkpointing and optimizer; `--tf32` lets
-    float32 matmuls (the float32 LM head of the sampled-token path, a float32 student outside autocast) use TF32."""
-    settings = {"gradient_checkpointing": True, "optim": "adamw_torch"}
+    """Config overrides shared by every trainer: the recipe's precision, checkpointing and optimizer (`--optim`,
+    default `adamw_torch`); `--tf32` lets float32 matmuls (the float32 LM head of the sampled-token path, a float32
+    student outside autocast) use TF32."""
+    settings = {"gradient_checkpointing": True, "optim": job.get("optim") or "adamw_torch"}
     if cuda():
         settings.update(use_cpu=False, bf16=True, tf32=job.get("tf32", False))
     return settings
@@ -217,6 +261,8 @@ def measure_run(name, shape, data, job, callbacks=(), overrides=None):
         result["setup_gib"] = allocated_gib()
         if cuda():
             torch.cuda.reset_peak_memory_stats()
+        result["lm_head_precision"] = getattr(trainer.args, "lm_head_precision", None)  # None: TRL's trainer
+        result["optim"] = trainer.args.optim
         result["seconds"] = common.train_and_time(trainer, synchronize=True)
         result["peak_gib"] = torch.cuda.max_memory_allocated() / GIB if cuda() else None
     except (RuntimeError, AssertionError, ValueError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
@@ -320,7 +366,7 @@ def profile_summary(callback):
 
 def zero3_worker(job):
     shape = job["shape"]
-    run = measure_run("tv", shape, rollout(shape, job["quick"], job["cache_dir"]), job)
+    run = measure_run(job.get("trainer") or "tv", shape, rollout(shape, job["quick"], job["cache_dir"]), job)
     from accelerate.state import AcceleratorState
 
     state = AcceleratorState()
@@ -350,17 +396,24 @@ def packing_shape(config):
     return replace(shape_of(config, config["target_completion"]), batch=config["packing_batch"])
 
 
-def measure_packing(config, job):
-    """`bench_packing.py`'s comparison on this device: one rollout of B rows at the largest T, completion lengths
-    `common.reasoning_lengths`, uniform token ids, each layout of `common.PACKING_LAYOUTS` on fresh models."""
+def measure_packing(config, job, trainer="tv"):
+    """`bench_packing.py`'s comparison on this device: one rollout of B rows at the target T, completion lengths
+    `common.reasoning_lengths`, uniform token ids, each layout of `common.PACKING_LAYOUTS` on fresh models, with the
+    `trainer` of RUNS (a `tv` variant)."""
     shape = packing_shape(config)
     lengths = common.reasoning_lengths(shape.completion, shape.batch)
     data = common.ragged_rollout(shape, lengths)
     runs = {}
     for layout in common.PACKING_LAYOUTS:
         print(f"[bench_gpu] packing: {layout}", file=sys.stderr, flush=True)
-        runs[layout] = measure_run("tv", shape, data, job, overrides=common.packing_overrides(layout, shape))
-    return {"shape": asdict(shape), "lengths": lengths, "runs": runs}
+        runs[layout] = measure_run(trainer, shape, data, job, overrides=common.packing_overrides(layout, shape))
+    return {
+        "shape": asdict(shape),
+        "lengths": lengths,
+        "runs": runs,
+        "trainer": trainer,
+        "student_dtype": job["student_dtype"],
+    }
 
 
 def packing_markdown(packing):
@@ -382,7 +435,8 @@ def packing_markdown(packing):
         )
     header = ["layout", "s/step", "completion tok/s", "speed-up", "peak GiB"]
     return (
-        f"### Padding-free loss phase\n\nB = {shape.batch} rows of P = {shape.prompt} + up to T = {shape.completion} "
+        f"### Padding-free loss phase\n\n{packing.get('trainer', 'tv')}, {packing.get('student_dtype', '')} student; "
+        f"B = {shape.batch} rows of P = {shape.prompt} + up to T = {shape.completion} "
         f"tokens (lengths {lengths}): {real:,} real tokens, {padded:,} padded; target speed-up 0.8 x padded / real = "
         f"{0.8 * padded / real:.2f}x\n\n" + common.markdown_table(header, rows)
     )
@@ -393,7 +447,7 @@ def common_root():
 
 
 def job_settings(job):
-    return {key: job[key] for key in ("steps", "student_dtype", "teacher_dtype", "tf32")}
+    return {key: job.get(key) for key in ("steps", "student_dtype", "teacher_dtype", "tf32", "optim", "trainer")}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -401,14 +455,18 @@ def job_settings(job):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def estimated_step_seconds(name, shape, student_dtype, peak_tflops):
+def estimated_step_seconds(name, shape, student_dtype, peak_tflops, tf32=False):
     """A rough step time for the estimate: the floor plus checkpointing's recomputed forward, at ASSUMED rates."""
     flops = floor_flops(asdict(shape), shape.batch, shape.prompt, shape.completion)
     student = flops["student"] * 4 / 3  # + the recomputed forward
     bf16_rate = ASSUMED["bf16_mfu"] * peak_tflops * 1e12
     if RUNS[name][0] == "distill" and student_dtype == "float32":  # TRL's loss path runs outside autocast
-        return flops["teacher"] / bf16_rate + student / (ASSUMED["fp32_tflops"] * 1e12)
+        fp32_rate = ASSUMED["tf32_tflops" if tf32 else "fp32_tflops"] * 1e12
+        return flops["teacher"] / bf16_rate + student / fp32_rate
     return (flops["teacher"] + student) / bf16_rate
+
+
+OPTIONAL_PARTS = ("profile", "generation", "packing", "zero3", "long")  # in the order the run reaches them
 
 
 def estimate(config, cli, peak_tflops):
@@ -416,28 +474,31 @@ def estimate(config, cli, peak_tflops):
     peak_tflops = peak_tflops or 989.4
     steps = config["steps"]
 
-    def run_seconds(name, completion, dtype):
-        return ASSUMED["run_overhead_s"] + steps * estimated_step_seconds(
-            name, shape_of(config, completion), dtype, peak_tflops
+    def run_seconds(name, completion, dtype, run_steps=steps):
+        shape = shape_of(config, completion)
+        return ASSUMED["run_overhead_s"] + run_steps * estimated_step_seconds(
+            name, shape, dtype, peak_tflops, cli.tf32
         )
 
     def grid_seconds(completions):
         return sum(
-            run_seconds(name, t, dtype) for dtype in cli.student_dtype for t in completions for name in cli.trainers
+            run_seconds(name, t, dtype)
+            for t in completions
+            for dtype in cli.student_dtype
+            for name in cli.trainers_by_dtype[dtype]
         )
 
-    target = max(config["completions"])
+    primary_dtype, primary_trainer = cli.primary
     parts = {"startup": ASSUMED["startup_s"], "grid": grid_seconds(config["completions"])}
     if cli.profile:
-        parts["profile"] = run_seconds("tv", target, cli.student_dtype[0])
+        parts["profile"] = run_seconds(primary_trainer, config["target_completion"], primary_dtype, WARMUP_STEPS + 1)
     if cli.generation:
         tokens = config["generation_tokens"] + 4
         parts["generation"] = len(cli.student_dtype) * sum(
             10 + tokens * ASSUMED["generate_token_s"] for _ in config["generation_batches"]
         )
     if cli.packing:  # every layout at the padded cost, an upper bound
-        shape = packing_shape(config)
-        step = estimated_step_seconds("tv", shape, cli.student_dtype[0], peak_tflops)
+        step = estimated_step_seconds(primary_trainer, packing_shape(config), primary_dtype, peak_tflops, cli.tf32)
         parts["packing"] = len(common.PACKING_LAYOUTS) * (ASSUMED["run_overhead_s"] + steps * step)
     if cli.zero3:
         parts["zero3"] = ASSUMED["zero3_startup_s"] + 1.5 * run_seconds("tv", config["zero3_completion"], "float32")
@@ -445,6 +506,18 @@ def estimate(config, cli, peak_tflops):
         parts["long"] = grid_seconds(config["long_completions"])
     parts["total"] = sum(parts.values())
     return parts
+
+
+def planned_skips(plan, deadline_s):
+    """The optional parts that the estimate alone already skips: the run's own rule (`fits` in `main`: a part runs
+    when the time so far plus its estimate ends by the deadline), applied to the estimated times."""
+    elapsed, skipped = plan["startup"] + plan["grid"], []
+    for part in (p for p in OPTIONAL_PARTS if p in plan):
+        if elapsed + plan[part] <= deadline_s:
+            elapsed += plan[part]
+        else:
+            skipped.append(f"{part}: estimated to end at {elapsed + plan[part]:.0f} s")
+    return elapsed, skipped
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -530,37 +603,60 @@ def verdict(value, ok):
     return "met" if ok(value) else "missed"
 
 
-def targets(results, target_completion, peak_tflops):
+# The targets, against `distill` on the same student: issue 39's for a float32 student (the recipe's load dtype), issue
+# 49's for a bf16 one. Every `tv` variant run is held to them; `tv-nonorm` to the memory target only (it exists to
+# show what the copy of `update/norm` costs), and `tv` alone to issue 39's 2% against `raw`.
+TARGETS = {
+    "float32": {"issue": 39, "speedup": 2.0, "memory": 0.8, "mfu": 0.40},
+    "bfloat16": {"issue": 49, "speedup": 1.2, "memory": 0.8, "mfu": 0.35},
+}
+TV_VARIANTS = ("tv", "tv-bf16head", "tv-fp32head", "tv-nonorm")
+
+
+def head_label(name, run):
+    precision = (run or {}).get("lm_head_precision")
+    return f"{name} (lm_head_precision={precision})" if precision else name
+
+
+def targets(results, target_completions, peak_tflops):
+    """Verdict lines at each T of `target_completions`, for every `tv` variant run (see TARGETS)."""
     lines = []
-    for point in (p for p in results if p["shape"]["completion"] == target_completion):
+    for point in (p for p in results if p["shape"]["completion"] in target_completions):
         shape, runs, dtype = common.Shape(**point["shape"]), point["runs"], point["student_dtype"]
-        tv, raw, distill = (median_seconds(runs.get(name)) for name in ("tv", "raw", "distill"))
-        peaks = {name: runs.get(name, {}).get("peak_gib") for name in ("tv", "tv-nonorm", "distill")}
-        where = f"T = {shape.completion}, {dtype} student"
-        speedup = distill / tv if tv and distill else None
-        lines.append(
-            f"- {where}: tv loss-phase throughput / distill = {common.fmt(speedup)}x (target >= 2x): "
-            + verdict(speedup, lambda x: x >= 2)
-        )
-        for name in ("tv", "tv-nonorm"):
-            ratio = peaks[name] / peaks["distill"] if peaks[name] and peaks["distill"] else None
-            if name == "tv" or ratio is not None:
+        goal = TARGETS[dtype]
+        where = f"T = {shape.completion}, {dtype} student (issue {goal['issue']})"
+        distill, distill_peak = median_seconds(runs.get("distill")), runs.get("distill", {}).get("peak_gib")
+        for name in (n for n in TV_VARIANTS if n in runs):
+            run, label = runs[name], head_label(name, runs[name])
+            seconds, peak = median_seconds(run), run.get("peak_gib")
+            if name != "tv-nonorm":
+                speedup = distill / seconds if seconds and distill else None
                 lines.append(
-                    f"- {where}: peak GPU memory {name} / distill = {common.fmt(ratio)} (target <= 0.8): "
-                    + verdict(ratio, lambda x: x <= 0.8)
+                    f"- {where}: {label} loss-phase throughput / distill = {common.fmt(speedup)}x "
+                    f"(target >= {goal['speedup']:g}x): "
+                    + verdict(speedup, lambda x, bound=goal["speedup"]: x >= bound)
                 )
-        overhead = 100 * (tv / raw - 1) if tv and raw else None
-        overhead_text = f"{overhead:+.1f}%" if overhead is not None else "-"
-        lines.append(
-            f"- {where}: tv / raw - 1 = {overhead_text} (target within 2%): "
-            + verdict(overhead, lambda x: abs(x) <= 2)
-        )
-        efficiency = mfu(runs.get("tv"), shape, peak_tflops)
-        efficiency_text = f"{100 * efficiency:.1f}%" if efficiency is not None else "n/a"
-        lines.append(
-            f"- {where}: MFU of the tv loss phase = {efficiency_text} of {common.fmt(peak_tflops)} TFLOP/s "
-            f"(target >= 40%): " + verdict(efficiency, lambda x: x >= 0.4)
-        )
+            ratio = peak / distill_peak if peak and distill_peak else None
+            lines.append(
+                f"- {where}: peak GPU memory {label} / distill = {common.fmt(ratio)} (target <= {goal['memory']:g}): "
+                + verdict(ratio, lambda x, bound=goal["memory"]: x <= bound)
+            )
+            if name == "tv" and dtype == "float32":
+                raw = median_seconds(runs.get("raw"))
+                overhead = 100 * (seconds / raw - 1) if seconds and raw else None
+                overhead_text = f"{overhead:+.1f}%" if overhead is not None else "-"
+                lines.append(
+                    f"- {where}: tv / raw - 1 = {overhead_text} (target within 2%): "
+                    + verdict(overhead, lambda x: abs(x) <= 2)
+                )
+            if name != "tv-nonorm":
+                efficiency = mfu(run, shape, peak_tflops)
+                efficiency_text = f"{100 * efficiency:.1f}%" if efficiency is not None else "n/a"
+                lines.append(
+                    f"- {where}: MFU of the {label} loss phase = {efficiency_text} of {common.fmt(peak_tflops)} "
+                    f"TFLOP/s (target >= {100 * goal['mfu']:.0f}%): "
+                    + verdict(efficiency, lambda x, bound=goal["mfu"]: x >= bound)
+                )
     return "\n".join(lines)
 
 
@@ -614,12 +710,13 @@ def report(info, gpu, config, cli, results, extras, peak_tflops, started):
     text = [
         "## Machine\n\n" + common.machine_markdown({**info, **gpu}),
         f"## Loss phase{label}\n\nQwen2 pair ({arch}); B = {config['batch']} prompt of P = {config['prompt']} "
-        f"tokens; teacher {cli.teacher_dtype}; medians over {config['steps'] - WARMUP_STEPS} timed steps after "
+        f"tokens; teacher {cli.teacher_dtype}; `optim={cli.optim or 'adamw_torch'}`, TF32 "
+        f"{'on' if cli.tf32 else 'off'}; medians over {config['steps'] - WARMUP_STEPS} timed steps after "
         f"{WARMUP_STEPS} warm-up; MFU = floor FLOPs / (s/step x {common.fmt(peak_tflops)} TFLOP/s). "
         + residual_note(results)
         + "\n\n"
         + grid_table(results, peak_tflops),
-        "## Targets\n\n" + (targets(results, config["target_completion"], peak_tflops) or "- (no target point run)"),
+        "## Targets\n\n" + (targets(results, config["target_completions"], peak_tflops) or "- (no target point run)"),
     ]
     extra = extras_markdown(extras)
     if extra:
@@ -634,11 +731,17 @@ def report(info, gpu, config, cli, results, extras, peak_tflops, started):
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser, default_out=None)  # benchmarks/results/gpu, a temporary folder with --quick
-    parser.add_argument("--trainers", default="tv,raw,distill,tv-nonorm", help=f"subset of {','.join(RUNS)}")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a prepared call (see PRESETS): `precision` is issue 49's (both student dtypes, both LM heads, TF32, "
+        "adamw_torch_fused, T = the default's largest T and twice it, profile, packing)",
+    )
+    parser.add_argument("--trainers", help=f"subset of {','.join(RUNS)} (default: tv,raw,distill,tv-nonorm)")
     parser.add_argument("--completion", type=int, nargs="+", help="override the completion lengths")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (the first is dropped as warm-up)")
     parser.add_argument(
-        "--student-dtype", nargs="+", default=["float32"], help="float32 (the recipe's) and/or bfloat16"
+        "--student-dtype", nargs="+", help="float32 (the recipe's load dtype, default) and/or bfloat16"
     )
     parser.add_argument("--teacher-dtype", default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak (default: from its name)")
@@ -647,7 +750,8 @@ def parse_args():
         action="store_true",
         help="tf32=True for every trainer (default: tf32=False for every trainer, TVOPDConfig's GPU default included)",
     )
-    parser.add_argument("--long", action="store_true", help="also T = 16,384 (last, if time allows)")
+    parser.add_argument("--optim", help="the trainers' `optim` (default adamw_torch; the recipes': adamw_torch_fused)")
+    parser.add_argument("--long", action="store_true", help="also T = 2 x the largest (last, if time allows)")
     parser.add_argument("--generation", action="store_true", help="transformers generate tokens/s of the student")
     parser.add_argument("--packing", action="store_true", help="padded against padding_free at the largest T")
     parser.add_argument("--zero3", action="store_true", help="one tv run under single-GPU DeepSpeed ZeRO-3")
@@ -655,33 +759,81 @@ def parse_args():
     parser.add_argument("--deadline-s", type=float, default=420, help="skip optional parts that would end later")
     parser.add_argument("--estimate-only", action="store_true", help="print the time estimate and exit")
     cli = parser.parse_args()
-    cli.trainers = cli.trainers.split(",")
-    unknown = set(cli.trainers) - set(RUNS)
+    preset = PRESETS.get(cli.preset)
+    if preset:
+        given = [
+            flag for flag, value in (("--trainers", cli.trainers), ("--student-dtype", cli.student_dtype)) if value
+        ]
+        if given:
+            parser.error(f"--preset {cli.preset} sets {' and '.join(given)}")
+        cli.student_dtype = list(preset["student_dtype"])
+        cli.trainers_by_dtype = {dtype: list(names) for dtype, names in preset["trainers"].items()}
+        cli.tf32 = cli.tf32 or preset["tf32"]
+        cli.optim = cli.optim or preset["optim"]
+        cli.profile = cli.profile or preset["profile"]
+        cli.packing = cli.packing or preset["packing"]
+        cli.primary = preset["primary"]
+    else:
+        cli.student_dtype = cli.student_dtype or ["float32"]
+        trainers = (cli.trainers or "tv,raw,distill,tv-nonorm").split(",")
+        cli.trainers_by_dtype = dict.fromkeys(cli.student_dtype, trainers)
+        cli.primary = (cli.student_dtype[0], "tv")
+    unknown = {name for names in cli.trainers_by_dtype.values() for name in names} - set(RUNS)
     if unknown:
         parser.error(f"unknown trainers {sorted(unknown)}; choose from {list(RUNS)}")
+    if set(cli.student_dtype) - {"float32", "bfloat16"}:
+        parser.error(f"--student-dtype: float32 and/or bfloat16, not {cli.student_dtype}")
+    cli.trainers = list(dict.fromkeys(name for names in cli.trainers_by_dtype.values() for name in names))
     cli.teacher_dtype = cli.teacher_dtype or ("bfloat16" if cuda() else "float32")
     if cli.out is None:
         cli.out = common.scratch_dir("gpu") if cli.quick else os.path.join(os.path.dirname(__file__), "results", "gpu")
     return cli
 
 
-def main():
-    cli = parse_args()
+def run_config(cli):
+    """The grid and its derived lengths: `--quick`'s tiny shapes or the paper pair's, then the preset's T (multiples
+    of the default's largest) or `--completion`; the targets are read at the largest T (at every T of a preset), the
+    profile and the padding-free comparison run at the first target T, ZeRO-3 at the smallest T."""
     config = dict(QUICK if cli.quick else FULL)
+    preset = PRESETS.get(cli.preset)
+    if preset:
+        config["completions"] = [factor * max(config["completions"]) for factor in preset["completion_factors"]]
     config["completions"] = cli.completion or config["completions"]
     config["steps"] = cli.steps or config["steps"]
-    config["target_completion"], config["zero3_completion"] = max(config["completions"]), min(config["completions"])
-    config["long_completions"] = [2 * config["target_completion"]]
-    peak_tflops = bf16_peak_tflops(torch.cuda.get_device_name(0), cli.peak_tflops) if cuda() else cli.peak_tflops
-    plan = estimate(config, cli, peak_tflops)
+    config["target_completions"] = sorted(config["completions"]) if preset else [max(config["completions"])]
+    config["target_completion"], config["zero3_completion"] = (
+        config["target_completions"][0],
+        min(config["completions"]),
+    )
+    config["long_completions"] = [2 * max(config["completions"])]
+    return config
+
+
+def estimate_text(plan, cli, peak_tflops):
     assumed_peak = peak_tflops or 989.4
-    print(
+    ends_at, skipped = planned_skips(plan, cli.deadline_s)
+    text = (
         "## Estimated time\n\n"
         + ", ".join(f"{k} {v:.0f} s" for k, v in plan.items())
         + f" (on a GPU of {assumed_peak:g} bf16 TFLOP/s, from the ASSUMED rates in bench_gpu.py; deadline "
-        f"{cli.deadline_s:.0f} s for the optional parts)\n",
-        flush=True,
+        f"{cli.deadline_s:.0f} s for the optional parts)\n\n"
+        f"Ends at about {ends_at:.0f} s; "
     )
+    if skipped:
+        return (
+            text
+            + f"skipped by the estimate already (after the {cli.deadline_s:.0f} s deadline): "
+            + "; ".join(skipped)
+        )
+    return text + "no optional part skipped by the estimate."
+
+
+def main():
+    cli = parse_args()
+    config = run_config(cli)
+    peak_tflops = bf16_peak_tflops(torch.cuda.get_device_name(0), cli.peak_tflops) if cuda() else cli.peak_tflops
+    plan = estimate(config, cli, peak_tflops)
+    print(estimate_text(plan, cli, peak_tflops) + "\n", flush=True)
     if cli.estimate_only:
         return
     if not cuda() and not cli.quick:
@@ -695,9 +847,12 @@ def main():
         "student_dtype": None,
         "teacher_dtype": cli.teacher_dtype,
         "tf32": cli.tf32,
+        "optim": cli.optim,
         "quick": cli.quick,
     }
     results, extras = [], {"skipped": []}
+    primary_dtype, primary_trainer = cli.primary
+    primary_job = {**job, "student_dtype": primary_dtype}
 
     def save():
         text = report(info, gpu, config, cli, results, extras, peak_tflops, started)
@@ -707,7 +862,8 @@ def main():
         return text
 
     def fits(part):
-        end = time.perf_counter() - started + plan[part]
+        # From the process's start, imports included, as the estimate's `startup` counts them
+        end = time.perf_counter() - PROCESS_START + plan[part]
         if end <= cli.deadline_s:
             return True
         extras["skipped"].append(f"{part}: estimated to end at {end:.0f} s, after the {cli.deadline_s:.0f} s deadline")
@@ -715,25 +871,25 @@ def main():
         return False
 
     def grid(completions):
-        for dtype in cli.student_dtype:
-            for completion in completions:
-                shape = shape_of(config, completion)
-                data = rollout(shape, cli.quick, cache_dir)
+        for completion in completions:  # the smaller T first for every dtype: a run cut short keeps whole T
+            shape = shape_of(config, completion)
+            data = rollout(shape, cli.quick, cache_dir)
+            for dtype in cli.student_dtype:
                 point = {"shape": asdict(shape), "student_dtype": dtype, "runs": {}}
                 results.append(point)
-                for name in cli.trainers:
+                for name in cli.trainers_by_dtype[dtype]:
                     print(f"[bench_gpu] {dtype} student, T={completion}: {name}", file=sys.stderr, flush=True)
                     point["runs"][name] = measure_run(name, shape, data, {**job, "student_dtype": dtype})
                     save()
 
     grid(config["completions"])
-    target = max(config["completions"])
+    target = config["target_completion"]
     if cli.profile and fits("profile"):
         shape = shape_of(config, target)
         callback = profile_one_step()
-        profile_job = {**job, "steps": WARMUP_STEPS + 1, "student_dtype": cli.student_dtype[0]}
-        run = measure_run("tv", shape, rollout(shape, cli.quick, cache_dir), profile_job, [callback])
-        where = f"{cli.student_dtype[0]} student, T = {target}"
+        profile_job = {**primary_job, "steps": WARMUP_STEPS + 1}
+        run = measure_run(primary_trainer, shape, rollout(shape, cli.quick, cache_dir), profile_job, [callback])
+        where = f"{primary_dtype} student, {head_label(primary_trainer, run)}, T = {target}"
         extras["profile"] = {"where": where, **(profile_summary(callback) if "error" not in run else run)}
         if "table" in extras["profile"]:
             with open(os.path.join(out, "bench_gpu_profile.txt"), "w") as f:
@@ -751,18 +907,17 @@ def main():
                     extras["generation"].append({"dtype": dtype, "batch": batch, "error": str(error)[:200]})
                 save()
     if cli.packing and fits("packing"):
-        extras["packing"] = measure_packing(config, {**job, "student_dtype": cli.student_dtype[0]})
+        extras["packing"] = measure_packing(config, primary_job, primary_trainer)
         save()
     if cli.zero3 and fits("zero3"):
         print("[bench_gpu] ZeRO-3, one process", file=sys.stderr, flush=True)
-        zero3_job = {**job, "student_dtype": cli.student_dtype[0]}
-        timeout = max(120.0, cli.deadline_s + 60 - (time.perf_counter() - started))  # a hung launch ends too
-        zero3 = run_zero3(config, zero3_job, cache_dir, timeout)
+        timeout = max(120.0, cli.deadline_s + 60 - (time.perf_counter() - PROCESS_START))  # a hung launch ends too
+        zero3 = run_zero3(config, {**primary_job, "trainer": primary_trainer}, cache_dir, timeout)
         extras["zero3"] = {**zero3, "completion": config["zero3_completion"]}
         baseline = [
-            p["runs"].get("tv")
+            p["runs"].get(primary_trainer)
             for p in results
-            if p["shape"]["completion"] == config["zero3_completion"] and p["student_dtype"] == cli.student_dtype[0]
+            if p["shape"]["completion"] == config["zero3_completion"] and p["student_dtype"] == primary_dtype
         ]
         extras["zero3_baseline"] = (baseline or [None])[0] or {}
         save()

@@ -158,7 +158,7 @@ def test_pair_recipes_hold_the_papers_hyperparameters(path):
         "max_completion_length": response_length(path),
         "temperature": 1.0,
         "top_p": 1.0,
-        "optim": "adamw_torch",
+        "optim": "adamw_torch_fused",  # the paper's AdamW, in torch's fused kernel (tests/test_bf16_engine.py)
         "learning_rate": 1e-6,
         "lr_scheduler_type": "constant_with_warmup",
         "weight_decay": 0.01,
