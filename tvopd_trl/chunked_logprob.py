@@ -119,8 +119,9 @@ class ChunkedSampledLogProb(torch.autograd.Function):
             inside = (local >= 0) & (local < width)
             tile[rows[inside], local[inside]] += grad[inside]
             tile.div_(temperature)
-            # The logits' gradient at the operands' dtype, as the rest of the model's backward has it
-            operand = tile.to(hidden.dtype)
+            # On CUDA the GEMM takes the logits' gradient at the operands' dtype, as the rest of a bf16 backward has it.
+            # Elsewhere the operands are upcast anyway: the float32 tile is used as it is, without two more tiles.
+            operand = tile.to(hidden.dtype) if hidden.is_cuda else tile
             if needs_hidden:
                 _matmul_fp32(grad_hidden, operand, weight[start : start + width].to(hidden.dtype), accumulate=True)
             if needs_weight:
