@@ -67,7 +67,6 @@ def summary(trainer, before):
         "inner_fused": [group.get("fused") for group in inner.param_groups],
         "param_dtypes": sorted({str(p.dtype) for p in student.parameters()}),
         "shard_dtypes": sorted({str(p.ds_tensor.dtype) for p in student.parameters() if hasattr(p, "ds_tensor")}),
-        "buffer_dtypes": sorted({str(b.dtype) for b in student.buffers()}),
         "module_shard_dtypes": sorted({str(t.dtype) for t in module}),
         "master_dtypes": sorted({str(t.dtype) for t in master}),
         "moment_dtypes": sorted({str(t.dtype) for t in moments}),
