@@ -4,6 +4,10 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_bf16.py --quick        # tiny shapes, every path, seconds
     python benchmarks/bench_memory_bf16.py --estimate-only                  # the full run's time estimate, then exit
 
+The committed results ran as four invocations with subsets of the trainers (`--trainers`, `--resume`; the commands
+are in docs/performance.md, section 15), about 90 minutes on the 2-core CPU: every trainer at every T, as the plain
+command does, would take hours there, and a warm `distill` at T >= 8,192 about 12 GB of RAM.
+
 Models: a DeepSeek-R1-Distill-Qwen-1.5B-shaped Qwen2 pair (`bench_gpu.PAPER_PAIR`: hidden 1,536, 12 attention heads,
 2 KV heads, MLP 8,960, vocabulary 151,936, untied LM head) with `--layers` blocks (default 2) instead of 28, random
 weights (student seed 0, teacher seed 1), both in bfloat16 (`dtype=torch.bfloat16`: the weights, the gradients and
@@ -78,7 +82,13 @@ RUNS = {  # name: (common.TRAINERS key, config overrides, warm-up step)
     "distill-cold": (*bench_gpu.RUNS["distill"], False),
     "tv-cold": (*bench_gpu.RUNS["tv"], False),
 }
-SETTINGS = {**bench_gpu.trainer_settings({}), "bf16": True}  # gradient checkpointing, adamw_torch; CPU bf16 autocast
+
+
+def settings(optim=None):
+    """Every trainer's config overrides: gradient checkpointing, `optim` (default `adamw_torch`), CPU bf16 autocast."""
+    return {**bench_gpu.trainer_settings({"optim": optim}), "bf16": True}
+
+
 TARGET = dict(completion=8192, trainer="tv", ratio=0.8)  # the issue's target: tv / distill <= 0.8 at T = 8,192
 WARMUP_STEPS = 1
 AVAILABLE_GB = 11  # what a run at the real vocabulary waits for: its peak RSS (up to 10 GB) and a margin
@@ -265,7 +275,8 @@ def point_worker(job):
     results = []
     for name in job["trainers"]:
         waited = wait_for_memory(AVAILABLE_GB if job["shape"].vocab > 100_000 else 0)
-        results.append({**measure(job["shape"], name, job["warmup_tokens"]), "waited_for_memory_s": waited})
+        result = measure(job["shape"], name, job["warmup_tokens"], job.get("optim"))
+        results.append({**result, "waited_for_memory_s": waited})
         common.settle()
     return results
 
@@ -285,7 +296,7 @@ def wait_for_memory(gigabytes, poll_s=30, timeout_s=3600):
     return time.perf_counter() - started
 
 
-def measure(shape, name, warmup_tokens):
+def measure(shape, name, warmup_tokens, optim=None):
     from transformers.trainer_callback import PrinterCallback
 
     kind, overrides, warm = RUNS[name]
@@ -299,7 +310,7 @@ def measure(shape, name, warmup_tokens):
         data,
         warmup_steps + 1,
         common.scratch_dir(name),
-        config_overrides={**SETTINGS, **overrides},
+        config_overrides={**settings(optim), **overrides},
         models=models,
     )
     models = None
@@ -328,7 +339,7 @@ def measure(shape, name, warmup_tokens):
         student_parameters=sum(p.numel() for p in trainer.model.parameters()),
         lifetime_peak_rss_mb=common.lifetime_peak_rss_mb(),
         threads=torch.get_num_threads(),
-        config_overrides={**SETTINGS, **overrides},
+        config_overrides={**settings(optim), **overrides},
         sources=source_hashes(),
     )
     assert len(lengths) == warmup_steps + 1 and lengths[-1] == [shape.completion], lengths  # the whole T profiled
@@ -504,8 +515,8 @@ def report(info, config, cli, results, started):
         "## Machine\n\n" + common.machine_markdown(info),
         f"## Loss-phase peak allocated memory, bf16 student{label}\n\n"
         f"Qwen2 pair ({arch}), student and teacher bfloat16; B = {config['batch']} prompt of P = {config['prompt']} "
-        f"tokens; `bf16=True`, gradient checkpointing, `adamw_torch`. Peak = the maximum over one loss-phase step "
-        f"(after a warm-up step of {config['warmup_tokens'] or 'T'} completion tokens) of the running sum of torch's "
+        f"tokens; `bf16=True`, gradient checkpointing, `{cli.optim or 'adamw_torch'}`. Peak = the maximum over one "
+        f"loss-phase step (after a warm-up step of {config['warmup_tokens'] or 'T'} completion tokens) of the running sum of torch's "
         "CPU allocations and frees, i.e. peak allocated - allocated at the step's start; MiB = 2^20 bytes. "
         "`-cold`: profiled on its first step, without the warm-up, AdamW's moments allocated in its "
         "optimizer.step(): its peak stands for the step's only where it lies in the forward and backward. "
@@ -535,6 +546,9 @@ def parse_args():
     parser.add_argument("--repeat-trainers", help="the trainers that --repeats applies to (default: every one)")
     parser.add_argument(
         "--replace", default="", help="with --resume, measure these trainers again at this invocation's T"
+    )
+    parser.add_argument(
+        "--optim", help="every trainer's optimizer (default adamw_torch; the recipes' adamw_torch_fused)"
     )
     parser.add_argument("--resume", action="store_true", help="keep the runs already in --out's JSON")
     parser.add_argument("--name", default=NAME, help="the outputs' base name")
@@ -606,7 +620,9 @@ def main():
                     file=sys.stderr,
                     flush=True,
                 )
-                job = common.job("point", shape, trainers=names, warmup_tokens=config["warmup_tokens"])
+                job = common.job(
+                    "point", shape, trainers=names, warmup_tokens=config["warmup_tokens"], optim=cli.optim
+                )
                 runs = common.run_worker(__file__, job)
                 if isinstance(runs, dict):  # the worker failed: every run it had is marked so
                     runs = [{"trainer": name, **runs} for name in names]
