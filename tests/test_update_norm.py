@@ -1,5 +1,6 @@
-"""`update/norm` without a copy of all parameters: the bucketed optimizer step (`tvopd_trl.callbacks`) against the copy
-it replaces, bit for bit, on its own and in training; the copy kept for other optimizers; `update_norm_interval`."""
+"""`update/norm` without a copy of all parameters: the bucketed optimizer step (`tvopd_trl.bucketed_step`), with large
+parameters in slices, against the one step and the copy it replaces, on its own and in training; the copy kept for other
+optimizers; `update_norm_interval`."""
 
 import weakref
 
@@ -8,12 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 from transformers.optimization import Adafactor
 
-from tvopd_trl import TVOPDTrainer
-from tvopd_trl import callbacks as update_norm
+from tvopd_trl import TVOPDTrainer, bucketed_step
 from tvopd_trl.testing import tiny_config
 
 
-SHAPES = [(40, 8), (8,), (16, 8), (3,), (24, 8), (8, 8), (5, 8)]
+SHAPES = [(40, 64), (64,), (16, 64), (3,), (24, 64), (8, 64), (5, 64)]  # 6,019 values
 
 # Each optimizer of `_PER_PARAMETER_OPTIMIZERS`, with the options that change how it steps: two parameter groups
 OPTIMIZERS = {
@@ -42,7 +42,7 @@ OPTIMIZERS = {
 
 def test_the_tested_optimizers_are_the_allowlist():
     tested = {type(make([torch.nn.Parameter(torch.zeros(2, 2))])) for make in OPTIMIZERS.values()}
-    assert tested == set(update_norm._PER_PARAMETER_OPTIMIZERS)
+    assert tested == set(bucketed_step.PER_PARAMETER_OPTIMIZERS)
 
 
 def squared_changes(parameters, before):
@@ -53,9 +53,15 @@ def squared_changes(parameters, before):
     ]
 
 
+NOT_ELEMENTWISE = ("Adafactor", "Muon", "transformers-Adafactor")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1 / 16], ids=["whole", "sliced"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_a_bucketed_step_is_the_full_step_bit_for_bit(name, monkeypatch):
-    monkeypatch.setattr(update_norm, "_BUCKET_FRACTION", 0.0)  # each bucket as large as the largest parameter
+def test_a_bucketed_step_is_the_full_step_bit_for_bit(name, fraction, monkeypatch):
+    # 0: each parameter a bucket of its own; 1/16 (376 float32 values): the larger ones in slices of 320 (a multiple of
+    # 64), from the first step, whose state the optimizer makes lazily
+    monkeypatch.setattr(bucketed_step, "_BUCKET_FRACTION", fraction)
     shapes = [shape for shape in SHAPES if len(shape) == 2] if name == "Muon" else SHAPES  # Muon takes matrices
     generator = torch.Generator().manual_seed(0)
     initial = [torch.randn(shape, generator=generator) for shape in shapes]
@@ -64,28 +70,49 @@ def test_a_bucketed_step_is_the_full_step_bit_for_bit(name, monkeypatch):
         OPTIMIZERS[name]([{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}])
         for ps in (plain, bucketed)
     ]
-    buckets = update_norm._buckets(bucketed)
-    assert len(buckets) > 2 and [p for bucket in buckets for p in bucket] == bucketed
     for _ in range(3):
         # The last parameter gets no gradient: it stays as it is
         for a, b in zip(plain[:-1], bucketed[:-1], strict=True):
             a.grad = torch.randn(a.shape, generator=generator)
             b.grad = a.grad.clone()
+        buckets = bucketed_step._buckets(optimizers[1], bucketed)
+        assert len(buckets) > 2 and [p for bucket in buckets for p, _ in bucket] == bucketed
+        sliced = {p: spans for bucket in buckets for p, spans in bucket if spans is not None}
+        if fraction and name not in NOT_ELEMENTWISE:
+            # the (40, 64), (16, 64), (24, 64) and (8, 64) parameters, each alone in a bucket
+            assert [spans[-1] for spans in sliced.values()] == [(2240, 2560), (960, 1024), (1280, 1536), (320, 512)]
+            assert all(len(bucket) == 1 for bucket in buckets if bucket[0][1] is not None)
+        else:
+            assert not sliced
         gradients = [p.grad for p in bucketed]
         before = [p.detach().clone() for p in plain]
         optimizers[0].step()
+        exact = {
+            b: (old - a.detach()).double().square().sum().item()
+            for a, b, old in zip(plain, bucketed, before, strict=True)
+        }
         expected = squared_changes(plain, before)
-        squares = update_norm._step_in_buckets(optimizers[1].step, bucketed)
+        squares = bucketed_step.step_in_buckets(optimizers[1], optimizers[1].step, bucketed)
         assert all(p.grad is g for p, g in zip(bucketed, gradients, strict=True))  # restored, the same tensors
+        assert [p for group in optimizers[1].param_groups for p in group["params"]] == bucketed
+        stepped = [b for a, b in zip(plain, bucketed, strict=True) if a in optimizers[0].state]
+        assert list(optimizers[1].state) == stepped  # no slice left in it
         for a, b, square in zip(plain, bucketed, expected, strict=True):
-            assert torch.equal(a, b) and torch.equal(squares[b], square)
+            assert torch.equal(a, b)
+            if b in sliced:
+                # a sum over slices: equal to the exact sum to 1e-6 (the whole tensor's float32 sum is off by up to
+                # 1.6e-6 here, the slices' by 1.4e-7)
+                assert squares[b].item() == pytest.approx(exact[b], rel=1e-6)
+            else:
+                assert torch.equal(squares[b], square)
+            assert optimizers[0].state[a].keys() == optimizers[1].state[b].keys()
             for key, value in optimizers[0].state[a].items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizers[1].state[b][key])), key
     assert torch.equal(bucketed[-1], initial[-1])
 
 
 def test_an_error_in_a_bucket_restores_every_gradient(monkeypatch):
-    monkeypatch.setattr(update_norm, "_BUCKET_FRACTION", 0.0)
+    monkeypatch.setattr(bucketed_step, "_BUCKET_FRACTION", 0.0)
     parameters = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
     for p in parameters:
         p.grad = torch.randn(p.shape)
@@ -98,19 +125,49 @@ def test_an_error_in_a_bucket_restores_every_gradient(monkeypatch):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        update_norm._step_in_buckets(step, parameters)
-    first = update_norm._buckets(parameters)[0]
-    assert calls[0] == [any(p is q for q in first) for p in parameters]  # only the bucket's own gradients are present
+        bucketed_step.step_in_buckets(None, step, parameters)
+    assert calls[0] == [p is parameters[0] for p in parameters]  # only the bucket's own gradients are present
     assert all(p.grad is g for p, g in zip(parameters, gradients, strict=True))
 
 
-def test_a_bucket_is_a_64th_of_the_bytes_or_the_largest_parameter():
+def test_an_error_in_a_slice_restores_the_parameter_its_state_and_every_gradient(monkeypatch):
+    monkeypatch.setattr(bucketed_step, "_BUCKET_FRACTION", 1 / 16)
+    parameters = [torch.nn.Parameter(torch.randn(shape)) for shape in SHAPES]
+    optimizer = torch.optim.AdamW(parameters)
+    for p in parameters:
+        p.grad = torch.randn(p.shape)
+    optimizer.step()
+    state = {p: {key: value.clone() for key, value in optimizer.state[p].items()} for p in parameters}
+    gradients, values = [p.grad for p in parameters], [p.detach().clone() for p in parameters]
+    step = optimizer.step
+
+    def failing_step():
+        if optimizer.param_groups[0]["params"][0] is not parameters[0]:  # the first parameter's first slice
+            raise RuntimeError("boom")
+        step()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        bucketed_step.step_in_buckets(optimizer, failing_step, parameters)
+    assert optimizer.param_groups[0]["params"] == parameters and list(optimizer.state) == parameters
+    assert all(p.grad is g for p, g in zip(parameters, gradients, strict=True))
+    for p, value in zip(parameters, values, strict=True):
+        assert torch.equal(p, value)
+        assert all(torch.equal(optimizer.state[p][key], before) for key, before in state[p].items())
+
+
+def test_a_bucket_is_a_64th_of_the_bytes_a_larger_parameter_sliced_or_alone():
     small = [torch.nn.Parameter(torch.zeros(100)) for _ in range(640)]  # 400 bytes each
-    assert [len(bucket) for bucket in update_norm._buckets(small)] == [10] * 64  # 1/64 of all = 4,000 bytes
-    large = torch.nn.Parameter(torch.zeros(3000))  # 12,000 bytes, more than 1/64: the budget, never split
-    buckets = update_norm._buckets(small[:320] + [large] + small[320:])
-    assert [len(bucket) for bucket in buckets] == [30] * 10 + [20, 1] + [30] * 10 + [20]
-    assert buckets[11] == [large]
+    assert [len(bucket) for bucket in bucketed_step._buckets(None, small)] == [10] * 64  # 1/64 of all = 4,000 bytes
+    large = torch.nn.Parameter(torch.zeros(3000))  # 12,000 bytes, more than 1/64 (4,187.5 bytes)
+    parameters = small[:320] + [large] + small[320:]
+    for p in parameters:
+        p.grad = torch.zeros_like(p)
+    # AdamW steps it in slices of 1,024 values (1,046 rounded down to a multiple of 64); without an elementwise
+    # optimizer it is stepped whole
+    for optimizer, spans in ((torch.optim.AdamW(parameters), [(0, 1024), (1024, 2048), (2048, 3000)]), (None, None)):
+        buckets = bucketed_step._buckets(optimizer, parameters)
+        assert [len(bucket) for bucket in buckets] == [10] * 32 + [1] + [10] * 32
+        assert buckets[32] == [(large, spans)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -119,18 +176,22 @@ def test_a_bucket_is_a_64th_of_the_bytes_or_the_largest_parameter():
 
 
 class CopyReference(TrainerCallback):
-    """`update/norm` as it was measured before the buckets: a copy of every trainable parameter just before the step,
-    its squared change summed in the model's order, per optimizer step."""
+    """`update/norm` as it was measured before the buckets, from a copy of every trainable parameter just before the
+    step, per optimizer step: in `copied` as the copy measured it (each squared change in float32, summed in the model's
+    order), in `norms` exactly (in float64)."""
 
     def __init__(self):
-        self.before, self.norms = None, []
+        self.before, self.copied, self.norms = None, [], []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
-        squared = sum(squared_changes([p for p in model.parameters() if p.requires_grad], self.before))
-        self.norms.append(torch.as_tensor(squared, dtype=torch.float32).sqrt().item())
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        exact = sum((old - p.detach()).double().square().sum() for p, old in zip(parameters, self.before, strict=True))
+        self.norms.append(exact.sqrt().item())
+        squared = sum(squared_changes(parameters, self.before))
+        self.copied.append(torch.as_tensor(squared, dtype=torch.float32).sqrt().item())
 
 
 class CloneMeter:
@@ -139,7 +200,7 @@ class CloneMeter:
 
     def __init__(self, monkeypatch):
         self.calls, self.live, self.peak, self.step, self.step_attribute = {}, 0, 0, None, None
-        clone = update_norm._clone_locals
+        clone = bucketed_step.clone_locals
 
         def metered(parameters):
             copies = clone(parameters)
@@ -151,7 +212,7 @@ class CloneMeter:
             self.peak = max(self.peak, self.live)
             return copies
 
-        monkeypatch.setattr(update_norm, "_clone_locals", metered)
+        monkeypatch.setattr(bucketed_step, "clone_locals", metered)
 
     def _free(self, nbytes):
         self.live -= nbytes
@@ -205,18 +266,21 @@ def test_update_norm_equals_the_copy_and_the_step_is_unchanged(make_trainer, mod
     optimizer = TRAINING_OPTIMIZERS[name]
     meter, reference = CloneMeter(monkeypatch), CopyReference()
     trainer = train(make_trainer, model_dirs, tmp_path / "on", optimizer, callbacks=[reference, meter.callback()])
-    assert list(norm_logs(trainer).values()) == reference.norms and len(reference.norms) == 3
+    logged = list(norm_logs(trainer).values())
+    assert logged == pytest.approx(reference.norms, rel=1e-6) and len(reference.norms) == 3
 
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
     total = sum(p.nbytes for p in trainable)
     assert vars(trainer.optimizer.optimizer).get("step") is meter.step_attribute  # the optimizer's `step` is back
     if name == "copy":
+        assert logged == reference.copied  # the copy's own value, bit for bit
         assert meter.calls == {step: [total] for step in (1, 2, 3)}
         return
-    bucket = max(total / 64, max(p.nbytes for p in trainable))
+    # A 64th of the bytes at most, the embedding (more than a 64th) in slices
+    assert max(p.nbytes for p in trainable) > total / 64
     for calls in meter.calls.values():
-        assert sum(calls) == total and len(calls) > 1 and max(calls) <= bucket
-    assert meter.peak <= bucket < total / 2  # at most one bucket is copied at once
+        assert sum(calls) == total and len(calls) > 1 and max(calls) <= total / 64
+    assert meter.peak <= total / 64  # at most one bucket is copied at once
 
     # Without update/norm, the same parameters, bit for bit
     off = train(make_trainer, model_dirs, tmp_path / "off", optimizer, log_update_norm=False)
@@ -239,7 +303,8 @@ def test_update_norm_interval_logs_every_nth_step_averaged_over_the_logging_wind
     )
     norms = reference.norms
     # Steps 1, 4 and 7 are measured; TRL averages a window's values, a window without one logs none
-    assert norm_logs(trainer) == {2: norms[0], 4: norms[3], 6: None, 7: norms[6]}
+    logs = norm_logs(trainer)
+    assert logs.pop(6) is None and logs == pytest.approx({2: norms[0], 4: norms[3], 7: norms[6]}, rel=1e-6)
     assert sorted(meter.calls) == [1, 4, 7]
 
     trainer = train(
@@ -252,7 +317,7 @@ def test_update_norm_interval_logs_every_nth_step_averaged_over_the_logging_wind
         logging_steps=3,
     )
     norms = reference.norms
-    assert norm_logs(trainer) == {3: (norms[0] + norms[2]) / 2, 6: norms[4]}
+    assert norm_logs(trainer) == pytest.approx({3: (norms[0] + norms[2]) / 2, 6: norms[4]}, rel=1e-6)
 
 
 class ScaledTrainer(TVOPDTrainer):
@@ -264,7 +329,7 @@ def test_the_learning_rate_target_composes_with_the_bucketed_step(make_trainer, 
     reference = CopyReference()
     settings = dict(trainer_class=ScaledTrainer, tv_scale_target="learning_rate")
     trainer = train(make_trainer, model_dirs, tmp_path / "on", callbacks=[reference], **settings)
-    assert list(norm_logs(trainer).values()) == reference.norms
+    assert list(norm_logs(trainer).values()) == pytest.approx(reference.norms, rel=1e-6)
     off = train(make_trainer, model_dirs, tmp_path / "off", log_update_norm=False, **settings)
     for (name, a), b in zip(trainer.model.named_parameters(), off.model.parameters(), strict=True):
         assert torch.equal(a, b), name

@@ -16,11 +16,10 @@ import warnings
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from transformers import TrainerCallback
-from transformers.optimization import Adafactor
 from transformers.trainer_callback import ExportableState
 
+from . import bucketed_step
 from .tv import TVScheduler
 
 
@@ -101,110 +100,21 @@ class TVScheduleCallback(TrainerCallback, ExportableState):
         return {"args": args, "attributes": {}}
 
 
-# The optimizers whose step changes each parameter from its own gradient, its own state and its group's hyperparameters
-# alone (their foreach and fused kernels are elementwise), and changes no state shared across parameters: a step over a
-# subset of the parameters (the others without a gradient) is, for that subset, the full step, bit for bit
-# (tests/test_update_norm.py checks each). Exact types: a subclass may step otherwise. Not LBFGS (one step over all
-# parameters) nor SparseAdam (sparse gradients). torch's Adafactor and Muon are in its recent releases only.
-_TORCH_PER_PARAMETER = ("Adafactor", "Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "ASGD", "Muon", "NAdam")
-_TORCH_PER_PARAMETER += ("RAdam", "RMSprop", "Rprop", "SGD")
-_PER_PARAMETER_OPTIMIZERS = (
-    *(getattr(torch.optim, name) for name in _TORCH_PER_PARAMETER if hasattr(torch.optim, name)),
-    Adafactor,  # transformers'
-)
-# A bucket of the bucketed step holds about this fraction of the trainable bytes (and at least the largest parameter)
-_BUCKET_FRACTION = 1 / 64
-
-
-def _local_tensor(param):
-    if isinstance(param, DTensor):
-        return param.to_local()
-    return getattr(param, "ds_tensor", param)  # ZeRO-3 keeps the local partition in `ds_tensor`
-
-
-def _clone_locals(parameters):
-    """A copy of the local part of each of `parameters`: the values from before a step, which it is measured against."""
-    return [_local_tensor(p).detach().clone() for p in parameters]
-
-
-def _squared_updates(parameters, before):
-    """The float32 squared norm of each parameter's change since `before` (from `_clone_locals`), which this turns
-    into the change in place rather than allocate another copy."""
-    return [
-        torch.linalg.vector_norm(old.sub_(_local_tensor(p).detach()), dtype=torch.float32).square()
-        for p, old in zip(parameters, before, strict=True)
-    ]
-
-
-def _buckets(parameters):
-    """Consecutive runs of `parameters` of at most `_BUCKET_FRACTION` of their local bytes each, or of the largest
-    one's bytes where that is more: a parameter is never split, the optimizer steps whole tensors."""
-    sizes = [_local_tensor(p).nbytes for p in parameters]
-    budget = max(sum(sizes) * _BUCKET_FRACTION, max(sizes, default=0))
-    buckets, size = [], 0
-    for p, nbytes in zip(parameters, sizes, strict=True):
-        if not buckets or size + nbytes > budget:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
-
-
-def _step_in_buckets(step, parameters):
-    """
-    Runs `step` (a per-parameter optimizer's, see `_PER_PARAMETER_OPTIMIZERS`) once per bucket of `parameters`, with
-    the gradients of the other buckets hidden (`None`, which the optimizer skips) and restored afterwards, even on an
-    error. Each bucket is copied just before its call and the copy turned into its update right after, so that the
-    update is measured with one bucket's memory instead of a copy of all parameters; the optimizer's own temporaries
-    shrink to one bucket too. The realised step is that of one `step()` over all parameters, bit for bit.
-
-    Returns:
-        `dict`: each parameter -> the float32 squared norm of its update (of its local part when sharded).
-    """
-    gradients = {p: p.grad for p in parameters}
-    squares = {}
-    try:
-        for p in parameters:
-            p.grad = None
-        for bucket in _buckets(parameters):
-            for p in bucket:
-                p.grad = gradients[p]
-            before = _clone_locals(bucket)
-            step()
-            squares.update(zip(bucket, _squared_updates(bucket, before), strict=True))
-            del before  # before the next bucket's copy
-            for p in bucket:
-                p.grad = None
-    finally:
-        for p, gradient in gradients.items():
-            p.grad = gradient
-    return squares
-
-
-def _steps_in_buckets(optimizer):
-    """Whether accelerate's `optimizer` can take its step in buckets (`_step_in_buckets`): its torch optimizer is a
-    per-parameter one, and neither a gradient scaler (accelerate then swaps the optimizer's `step` for its own during
-    the step) nor step hooks (they would run once per bucket) are in the way."""
-    inner = getattr(optimizer, "optimizer", None)
-    if type(inner) not in _PER_PARAMETER_OPTIMIZERS or getattr(optimizer, "scaler", None) is not None:
-        return False
-    hooks = _global_optimizer_pre_hooks, _global_optimizer_post_hooks
-    return not any(hooks + (inner._optimizer_step_pre_hooks, inner._optimizer_step_post_hooks))
-
-
 class UpdateNormCallback(TrainerCallback):
     """
     Logs `update/norm`, the norm of an optimizer step's realised parameter change ||theta_k+1 - theta_k||, through
     `trainer.record_metric`, on every `args.update_norm_interval`-th optimizer step (the first included); the other
     steps take no copy and run as without it.
 
-    With a torch optimizer that steps each parameter on its own (`_PER_PARAMETER_OPTIMIZERS`, without a gradient
-    scaler), the logged step runs in buckets of parameters (`_step_in_buckets`): the extra memory is one bucket, about
-    1/64 of the trainable parameters or the largest one. Otherwise it holds one copy of the trainable parameters (of
-    the local shard when sharded), taken just before `optimizer.step()` so that it never sits beside the activations,
-    and turned into the update in place right after; DeepSpeed's engine steps inside the last micro-batch's backward,
-    so there the copy is taken at the step's start. [`TVOPDTrainer`] adds it when `log_update_norm` is on.
+    With a torch optimizer that steps each parameter on its own (`bucketed_step.PER_PARAMETER_OPTIMIZERS`, without a
+    gradient scaler), the logged step runs in buckets of parameters (`bucketed_step.step_in_buckets`): the extra memory
+    is one bucket, about 1/64 of the trainable parameters; a larger parameter is stepped in flat slices of that size by
+    an elementwise optimizer (AdamW, SGD, ...), whole by the others. The value equals the copy's to float32 rounding
+    (bit for bit where no parameter is sliced), and the step is unchanged, bit for bit. Otherwise it holds one copy of
+    the trainable parameters (of the local shard when sharded), taken just before `optimizer.step()` so that it never
+    sits beside the activations, and turned into the update in place right after; DeepSpeed's engine steps inside the
+    last micro-batch's backward, so there the copy is taken at the step's start. [`TVOPDTrainer`] adds it when
+    `log_update_norm` is on.
     """
 
     def __init__(self, trainer):
@@ -217,7 +127,7 @@ class UpdateNormCallback(TrainerCallback):
         return [p for p in self.trainer.model.parameters() if p.requires_grad]
 
     def _snapshot(self):
-        self.before = _clone_locals(self._parameters())
+        self.before = bucketed_step.clone_locals(self._parameters())
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.trainer.is_deepspeed_enabled and state.global_step % args.update_norm_interval == 0:
@@ -226,7 +136,7 @@ class UpdateNormCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.trainer.is_deepspeed_enabled or state.global_step % args.update_norm_interval != 0:
             return
-        if _steps_in_buckets(optimizer):
+        if bucketed_step.steps_in_buckets(optimizer):
             self._wrap_step(optimizer.optimizer)
         else:
             self._snapshot()
@@ -243,26 +153,26 @@ class UpdateNormCallback(TrainerCallback):
                 del optimizer.step
             self.unwrap = None
 
-        def bucketed_step(closure=None):
+        def step_in_buckets(closure=None):
             unwrap()
             loss = None
             if closure is not None:  # evaluated once, as the optimizer would, not once per bucket
                 with torch.enable_grad():
                     loss = closure()
             parameters = [p for group in optimizer.param_groups for p in group["params"]]
-            self.squares = _step_in_buckets(step, parameters)
+            self.squares = bucketed_step.step_in_buckets(optimizer, step, parameters)
             return loss
 
-        optimizer.step, self.unwrap, self.squares = bucketed_step, unwrap, {}
+        optimizer.step, self.unwrap, self.squares = step_in_buckets, unwrap, {}
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.unwrap is not None:  # the step never reached the optimizer
             self.unwrap()
         parameters = self._parameters()
         if self.before is not None:
-            squares = _squared_updates(parameters, self.before)
+            squares = bucketed_step.squared_updates(parameters, self.before)
         elif self.squares is not None:
-            # The model's order, as the copy sums them: the same value, bit for bit
+            # The model's order, as the copy sums them
             squares = [self.squares[p] for p in parameters if p in self.squares]
         else:
             return  # not a logged step

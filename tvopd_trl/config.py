@@ -103,7 +103,8 @@ class TVOPDConfig(DistillationConfig):
             Whether to log `update/norm`, the norm of each optimizer step's realised parameter change. With a torch
             optimizer that steps each parameter on its own (AdamW, SGD, ...; no fp16 gradient scaler), the step runs
             in buckets of parameters, each copied just before its part of the step: about 1/64 of the trainable
-            parameters' memory, or the largest parameter's. Otherwise (DeepSpeed, other optimizers) it needs a copy of
+            parameters' memory (a larger parameter is stepped in slices of that size by an elementwise optimizer such
+            as AdamW or SGD, whole by Adafactor or Muon). Otherwise (DeepSpeed, other optimizers) it needs a copy of
             the trainable parameters (of the local shard when sharded) from just before `optimizer.step()` to just
             after: parameter-sized memory like one AdamW moment. `False` takes no copy and logs no `update/norm`.
         update_norm_interval (`int`, *optional*, defaults to `1`):
