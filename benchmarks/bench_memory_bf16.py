@@ -96,7 +96,13 @@ NAME = "bench_memory_bf16"
 MIB = 2**20
 MARKER = "bench_memory_bf16::optimizer_step"  # a record_function around optimizer.step() and its callbacks
 # The code whose version the results belong to (its SHA-256 is recorded: other work edits it while a run goes on)
-SOURCES = ("tvopd_trl/chunked_logprob.py", "tvopd_trl/scoring.py", "tvopd_trl/callbacks.py", "tvopd_trl/trainer.py")
+SOURCES = (
+    "tvopd_trl/chunked_logprob.py",
+    "tvopd_trl/scoring.py",
+    "tvopd_trl/callbacks.py",
+    "tvopd_trl/bucketed_step.py",
+    "tvopd_trl/trainer.py",
+)
 # Where a live block at the peak is attributed: its innermost Python frame in one of these (else the aten op)
 OWN_CODE = ("tvopd_trl/", "trl/", "transformers/", "torch/optim/", "torch/utils/checkpoint", "accelerate/")
 

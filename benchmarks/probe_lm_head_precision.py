@@ -60,7 +60,9 @@ def head_logps(model, hidden, targets, head, dtype):
         if head == "bf16_logits":
             logits = hidden.to(torch.bfloat16) @ weight.to(torch.bfloat16).T
             return logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-        return sampled_token_logprobs(hidden, weight, None, targets, compute_dtype=torch.float32 if head == "float32" else dtype)
+        return sampled_token_logprobs(
+            hidden, weight, None, targets, compute_dtype=torch.float32 if head == "float32" else dtype
+        )
 
 
 def compare(name, student, teacher, input_ids, attention_mask, keep):
@@ -78,7 +80,9 @@ def compare(name, student, teacher, input_ids, attention_mask, keep):
     reference = signs["float32", "float32"]
     rows = []
     for backbone in BACKBONES[1:]:
-        flips = {head: (signs[backbone, head] != signs[backbone, "float32"]).float().mean().item() for head in HEADS[1:]}
+        flips = {
+            head: (signs[backbone, head] != signs[backbone, "float32"]).float().mean().item() for head in HEADS[1:]
+        }
         rows.append(
             {
                 "rollouts": name,
@@ -91,7 +95,10 @@ def compare(name, student, teacher, input_ids, attention_mask, keep):
                 .abs()
                 .max()
                 .item(),
-                **{f"flips_vs_reference_{head}_head": (signs[backbone, head] != reference).float().mean().item() for head in HEADS},
+                **{
+                    f"flips_vs_reference_{head}_head": (signs[backbone, head] != reference).float().mean().item()
+                    for head in HEADS
+                },
             }
         )
     return rows
@@ -104,11 +111,17 @@ def embedded_rollouts(family, prompts):
     from tvopd_trl import tiny
 
     paths, dataset, new_tokens = {
-        "tiny": (dict(student=tiny.student_path(), teacher=tiny.teacher_path()), tiny.prompt_dataset("opd", prompts), 8),
+        "tiny": (
+            dict(student=tiny.student_path(), teacher=tiny.teacher_path()),
+            tiny.prompt_dataset("opd", prompts),
+            8,
+        ),
         "long-addition": (tiny.long_addition_paths(), tiny.prompt_dataset("opd", prompts, skill="long_addition"), 32),
     }[family]
     tokenizer = AutoTokenizer.from_pretrained(paths["student"], padding_side="left")
-    student, teacher = (AutoModelForCausalLM.from_pretrained(paths[k], dtype=torch.float32).eval() for k in ("student", "teacher"))
+    student, teacher = (
+        AutoModelForCausalLM.from_pretrained(paths[k], dtype=torch.float32).eval() for k in ("student", "teacher")
+    )
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in dataset["prompt"]]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(common.ROLLOUT_SEED)

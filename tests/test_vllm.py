@@ -220,7 +220,8 @@ def test_the_main_job_with_server_rollouts_closes_half_the_gap(servers, tmp_path
         "--eval_every_steps",
         "0",
     ]
-    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=time_limit(1200))
+    # 800 steps: 86% and 94% in two runs on this 2-core machine (the recipe's header); at 500, one CI run closed 49%
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=time_limit(1800))
     summary = json.load(open(tmp_path / "job" / "summary.json"))
     assert summary["gap_closed"] >= 0.5, summary
 
