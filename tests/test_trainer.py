@@ -792,7 +792,7 @@ def test_without_log_update_norm_no_parameter_copy_is_taken(make_trainer, tmp_pa
     def clone_locals(parameters):
         raise AssertionError("a parameter copy was taken")
 
-    monkeypatch.setattr("tvopd_trl.callbacks._clone_locals", clone_locals)
+    monkeypatch.setattr("tvopd_trl.bucketed_step.clone_locals", clone_locals)
     trainer = make_trainer(tiny_config(tmp_path, max_steps=2, log_update_norm=False))
     assert not any(isinstance(callback, UpdateNormCallback) for callback in trainer.callback_handler.callbacks)
     before = parameters(trainer.model)
