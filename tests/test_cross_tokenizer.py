@@ -453,3 +453,31 @@ def test_a_teacher_with_a_smaller_vocabulary_than_the_students_scores_its_own(tm
     assert len(tokenizer) < len(trainer.processing_class)
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_teacher_prompts_reach_teachers_of_both_kinds(teacher_dir, tmp_path):
+    dataset = prompt_dataset("opd", 8).add_column("teacher_id", ["same", "other"] * 4)
+    hints = [[{"role": "system", "content": f"hint {i}"}, *row["prompt"]] for i, row in enumerate(dataset)]
+    dataset = dataset.add_column("teacher_prompt", hints)
+    trainer = tiny_pair_trainer(
+        tiny_config(tmp_path, cross_tokenizer=True),
+        teacher_model={"same": teacher_path(), "other": teacher_dir},
+        teacher_processing_class={"other": other_family_tokenizer(digits=3)},
+        train_dataset=dataset,
+    )
+    rows = [dataset[i] for i in range(8)]
+    batch = trainer.score_completions(trainer.generate_completions(rows))
+    teacher = trainer.teachers["same"].model
+    for index, row in enumerate(rows):
+        own = batch["teacher_prompt_ids"][index][batch["teacher_prompt_mask"][index].bool()].tolist()
+        if row["teacher_id"] == "other":  # rendered by the other family's tokenizer and chat template
+            assert own == trainer.alignments["other"].teacher_prompt_ids(row["teacher_prompt"])
+            continue
+        rendered = trainer.processing_class.apply_chat_template(
+            row["teacher_prompt"], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        assert own == rendered
+        length = int(batch["completion_mask"][index].sum())
+        ids = torch.tensor([rendered + batch["completion_ids"][index, :length].tolist()])
+        alone = trainer._sampled_token_logps(teacher, ids, torch.ones_like(ids), length)
+        torch.testing.assert_close(batch["teacher_logps"][index, :length], alone[0], rtol=0, atol=1e-5)

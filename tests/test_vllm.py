@@ -114,6 +114,33 @@ def test_served_teacher_scores_like_the_local_teacher(servers, tokenizer, tmp_pa
     assert (through_server - in_process)[mask].abs().max() < LOGP_TOLERANCE
 
 
+def test_a_pool_of_servers_scores_after_the_teacher_prompts_as_the_local_teacher(servers, tokenizer, tmp_path):
+    dataset = prompt_dataset("opd", 16)
+    hints = [[{"role": "system", "content": f"hint {i}"}, *row["prompt"]] for i, row in enumerate(dataset)]
+    dataset = dataset.add_column("teacher_prompt", hints)
+    local, _ = run(tmp_path / "local", tokenizer, prompts=dataset, max_steps=1)
+    url = servers["teacher"].url
+    served, _ = run(tmp_path / "pool", tokenizer, prompts=dataset, max_steps=1, teacher_model_server_url=[url, url])
+
+    rows = dataset.select(range(8)).to_list()
+    batch = served.generate_completions(rows)
+    assert batch["teacher_prompt_mask"].sum(1).min() > batch["prompt_mask"].sum(1).max()  # the hints are longer
+    through_server = served.score_completions(dict(batch))["teacher_logps"]
+    in_process = local.score_completions(dict(batch))["teacher_logps"]
+    unhinted = local.score_completions({k: v for k, v in batch.items() if not k.startswith("teacher_prompt")})
+    mask = batch["completion_mask"].bool()
+    assert (through_server - in_process)[mask].abs().max() < LOGP_TOLERANCE
+    assert (unhinted["teacher_logps"] - in_process)[mask].abs().max() > 100 * LOGP_TOLERANCE  # the hint moved it
+    assert served.teachers["teacher"].context == 64  # the servers' --max-model-len
+
+    # A hint that leaves the server no room for the completion is refused, naming the fix
+    long_hint = [[{"role": "system", "content": " ".join(["1"] * 60)}, *row["prompt"]] for row in rows]
+    with pytest.raises(ValueError, match="context of 64 tokens no room for max_completion_length=8"):
+        served.generate_completions(
+            [{**row, "teacher_prompt": hint} for row, hint in zip(rows, long_hint, strict=True)]
+        )
+
+
 def test_a_pool_of_real_servers_loses_a_replica_mid_run_with_the_same_numbers(servers, tokenizer, tmp_path):
     _, local_logs = run(tmp_path / "local", tokenizer)
     replica = LocalVLLMServer(PAIR["teacher"], str(tmp_path)).wait_ready(time_limit(600))

@@ -32,6 +32,7 @@ from trl.import_utils import is_vllm_available
 from .async_rollouts import check_async_setup
 from .cross_tokenizer import teacher_alignments
 from .sequence_parallel import check_sequence_parallel
+from .teacher_prompts import check_teacher_prompts
 from .teachers import SINGLE_TEACHER, check_routing, teacher_sources
 from .tokenizers import check_shared_vocabulary
 
@@ -69,8 +70,10 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model, ev
             "Set tv_scale_per_teacher=False (one scale pooled over every teacher) or tv_scale_target='advantage'."
         )
     check_routing(train_dataset, names)
+    check_teacher_prompts(train_dataset)
     for evaluation in eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]:
         check_routing(evaluation, names, every_teacher=False)
+        check_teacher_prompts(evaluation)
     if (args.use_vllm or served) and not is_vllm_available():
         feature = "use_vllm=True" if args.use_vllm else "teacher_model_server_url"
         raise ImportError(

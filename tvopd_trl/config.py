@@ -264,6 +264,16 @@ class TVOPDConfig(DistillationConfig):
             `vopd` and `log_exact_tv` compare per-token distributions over one vocabulary and are refused with such a
             teacher.
 
+        > Parameters that control self-distillation
+
+        self_distillation (`str`, *optional*):
+            The student as its own teacher (on-policy self-distillation), with no `teacher_model`: `"live"` scores with
+            the student's current weights (no gradient; the weights that sampled the rollout, as OPSD does) and
+            `"frozen"` with a copy of the student from before training (its checkpoint loaded again, or a copy of the
+            model passed). The teacher sees privileged context through each row's `teacher_prompt` column
+            (docs/self-distillation.md); without one its delta is 0 (live) or the drift from the start (frozen).
+            `None` distils from `teacher_model`.
+
     > [!NOTE]
     > These parameters have default values different from [`~trl.DistillationConfig`]:
     > - `disable_dropout`: Defaults to `True` instead of `False`: a probability ratio needs a deterministic policy.
@@ -469,6 +479,15 @@ class TVOPDConfig(DistillationConfig):
         metadata={"help": "Distill from a teacher whose tokenizer differs from the student's, on aligned text spans."},
     )
 
+    # Parameters that control self-distillation
+    self_distillation: str | None = field(
+        default=None,
+        metadata={
+            "help": "The student as its own teacher: 'live' (its current weights) or 'frozen' (as before training).",
+            "choices": ["live", "frozen"],
+        },
+    )
+
     def _check_reward_settings(self):
         if self.reward_coef < 0 or self.distillation_coef < 0 or self.reward_coef == self.distillation_coef == 0:
             raise ValueError(
@@ -545,6 +564,16 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(
                 f"lm_head_precision must be 'float32' or 'model' (the model's compute dtype, summed in float32), got "
                 f"{self.lm_head_precision!r}."
+            )
+        if self.self_distillation not in (None, "live", "frozen"):
+            raise ValueError(
+                f"self_distillation must be 'live' (the student's current weights), 'frozen' (its weights before "
+                f"training) or None (a teacher model), got {self.self_distillation!r}."
+            )
+        if self.self_distillation is not None and (self.teacher_model_name_or_path or self.teacher_model_server_url):
+            raise ValueError(
+                f"self_distillation={self.self_distillation!r} makes the student its own teacher: remove "
+                "teacher_model_name_or_path and teacher_model_server_url, or set self_distillation to None."
             )
         if self.tv_scale_target not in ("advantage", "learning_rate"):
             raise ValueError(f"tv_scale_target must be 'advantage' or 'learning_rate', got {self.tv_scale_target!r}.")

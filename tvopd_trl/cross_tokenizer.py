@@ -39,12 +39,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, across_tokenizers_hint
 from .spans import broadcast_spans, last_of_span, span_sums
+from .teacher_prompts import render_prompt_ids
 from .tokenizers import check_shared_vocabulary
 
 
@@ -325,10 +325,7 @@ class TokenizerAlignment:
     def teacher_prompt_ids(self, prompt) -> list[int]:
         """The teacher's prompt: a conversation rendered with the teacher's chat template (which holds its BOS), or a
         plain-text prompt tokenized as TRL tokenizes the student's."""
-        if isinstance(prompt, str):
-            return self.teacher(text=prompt)["input_ids"]
-        text = self.teacher.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return self.teacher(text, add_special_tokens=False)["input_ids"]
+        return render_prompt_ids(self.teacher, prompt)
 
     def align(self, completions: list[list[int]]) -> list[AlignedRow]:
         """Aligns each completion (the student's sampled ids, padding removed) with the teacher."""
@@ -425,7 +422,7 @@ class TokenizerAlignment:
         Aligns the completions of `batch`'s `rows` (the first `real` of them the process's own) with the teacher.
 
         `batch` holds the student's `completion_ids` / `completion_mask` and the teacher's rendered prompts
-        (`teacher_prompt_ids` / `teacher_prompt_mask`, see `teacher_prompt_batch`). Returns an [`AlignedBatch`].
+        (`teacher_prompt_ids` / `teacher_prompt_mask`, see `tvopd_trl.teacher_prompts.teacher_prompt_batch`). Returns an [`AlignedBatch`].
         """
         if "teacher_prompt_ids" not in batch:
             raise ValueError(
@@ -521,17 +518,3 @@ def teacher_alignments(trainer, teacher_tokenizers, shared_vocabulary=None) -> d
             "aligned too. Use a teacher of the student's family with tools."
         )
     return alignments
-
-
-def teacher_prompt_batch(prompts, names, alignments, device) -> dict[str, torch.Tensor]:
-    """`teacher_prompt_ids` / `teacher_prompt_mask` (`(B, P')`, left-padded) of dataset rows `prompts` whose teachers
-    are `names`: each prompt rendered for its teacher when it has another tokenizer, empty otherwise."""
-    ids = [
-        torch.tensor(
-            alignments[name].teacher_prompt_ids(row["prompt"]) if name in alignments else [], dtype=torch.long
-        )
-        for row, name in zip(prompts, names, strict=True)
-    ]
-    prompt_ids = pad_sequence(ids, batch_first=True, padding_side="left")
-    prompt_mask = pad_sequence([torch.ones_like(row) for row in ids], batch_first=True, padding_side="left")
-    return {"teacher_prompt_ids": prompt_ids.to(device), "teacher_prompt_mask": prompt_mask.to(device)}

@@ -111,6 +111,7 @@ class StepStatistics:
             "clip_low": ((ratio < 1 - epsilon[0]) & (advantages < 0) & active).sum(),
             "clip_high": ((ratio > 1 + epsilon[1]) & (advantages > 0) & active).sum(),
             "negative_delta": torch.where(active, -finite_delta, 0.0).sum(),
+            "abs_delta": torch.where(active, finite_delta.abs(), 0.0).sum(),
             "positive_delta": (active & (delta > 0)).sum(),
             "nonfinite": (loss_mask.bool() & ~active).sum(),
             "loss": torch.where(active, per_token_loss.detach(), 0.0).sum(),
@@ -154,6 +155,8 @@ class StepStatistics:
         metrics["clip_ratio/low"].append(ratio(sums["clip_low"]))
         metrics["clip_ratio/high"].append(ratio(sums["clip_high"]))
         metrics["kl/reverse_estimate"].append(ratio(sums["negative_delta"]))
+        # How far the teacher sits from the student per token: with self-distillation, what the privileged context moves
+        metrics["advantage/abs_mean"].append(ratio(sums["abs_delta"]))
         metrics["advantage/positive_fraction"].append(ratio(sums["positive_delta"]))
         metrics["tv/nonfinite_tokens"].append(sums["nonfinite"])
         metrics["policy_loss"].append(ratio(sums["loss"]))

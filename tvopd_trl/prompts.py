@@ -14,9 +14,9 @@
 """Prompt-column adapter: turns a math dataset into the conversational `prompt` column that OPD trains on.
 
 OPD consumes only prompts: the teacher's log-probabilities are the whole supervision signal, so answers, difficulty
-labels and reference solutions are dropped (DeepMath-103K's three R1 solutions alone are ~5 GB). The one column kept
-beside `prompt` is `teacher_id`, which routes each prompt to its teacher when a run has several
-(`tvopd_trl.teachers`).
+labels and reference solutions are dropped (DeepMath-103K's three R1 solutions alone are ~5 GB). The columns kept
+beside `prompt` are `teacher_id`, which routes each prompt to its teacher when a run has several
+(`tvopd_trl.teachers`), and `teacher_prompt`, what the teachers see instead of the prompt (`tvopd_trl.teacher_prompts`).
 
 The prompt column is used according to what it holds:
 
@@ -35,7 +35,7 @@ prompts = to_prompt_dataset(load_dataset("zwhe99/DeepMath-103K", split="train"),
 """
 
 from .eval.benchmarks import DEFAULT_PROMPT_TEMPLATE
-from .teachers import TEACHER_ID_COLUMN
+from .teachers import TEACHER_ID_COLUMN, TEACHER_PROMPT_COLUMN
 
 
 # Tried in this order when no column is named: a ready-made chat prompt first, then the usual names of a bare problem.
@@ -64,7 +64,7 @@ def resolve_prompt_column(column_names, column=None):
     return found
 
 
-def _is_message(message):
+def is_message(message):
     return isinstance(message, dict) and {"role", "content"} <= message.keys()
 
 
@@ -75,7 +75,7 @@ def to_chat_prompt(value, template=DEFAULT_PROMPT_TEMPLATE):
         if not value.strip():
             raise ValueError("the problem text is empty")
         return [{"role": "user", "content": template.replace("{problem}", value)}]
-    if isinstance(value, list) and value and all(_is_message(message) for message in value):
+    if isinstance(value, list) and value and all(is_message(message) for message in value):
         return value
     raise ValueError(
         f"expected a problem text or a list of chat messages with 'role' and 'content', got {type(value).__name__} "
@@ -104,10 +104,10 @@ def to_prompt_dataset(dataset, column=None, template=DEFAULT_PROMPT_TEMPLATE):
             raise ValueError(f"Row {index} of column {column!r}: {error}.") from None
 
     # Selecting first means the map reads one column, not every solution the dataset carries.
-    kept = (
-        [TEACHER_ID_COLUMN]
-        if TEACHER_ID_COLUMN in (dataset.column_names or ()) and column != TEACHER_ID_COLUMN
-        else []
-    )
+    kept = [
+        name
+        for name in (TEACHER_ID_COLUMN, TEACHER_PROMPT_COLUMN)
+        if name in (dataset.column_names or ()) and column != name
+    ]
     dataset = dataset.select_columns([column, *kept])
     return dataset.map(convert, with_indices=True, remove_columns=[column])

@@ -27,6 +27,7 @@ from .cross_tokenizer import STATISTICS as ALIGNMENT_STATISTICS
 from .divergences import exact_reverse_kl_and_tv
 from .packing import pack_rows, token_budget_chunks, unpack_completions
 from .spans import align_teacher_logps, token_spans
+from .teacher_prompts import teacher_inputs
 
 
 # A served teacher's request statistics (`TeacherServerPool.last_stats`) and how each pools over processes: the retries
@@ -79,7 +80,7 @@ class CompletionScoringMixin:
             for teacher, rows, real in self._rows_by_teacher(batch):
                 alignment = self.alignments.get(teacher.name)
                 if alignment is None:
-                    routed = {key: batch[key][rows] for key in _TEACHER_INPUTS}
+                    routed = teacher_inputs(batch, rows)  # after each row's teacher prompt, where it has one
                 else:
                     aligned = alignment.align_batch(batch, rows, real)
                     routed = aligned.teacher_batch
@@ -89,14 +90,19 @@ class CompletionScoringMixin:
                     stats = teacher.client.last_stats
                     served_stats[served.index(teacher)] = torch.tensor([1.0, *map(stats.get, SERVED_TEACHER_STATS)])
                 else:
-                    teacher.model.eval()  # whatever another callback or user did to it since construction
                     ids = torch.cat([routed["prompt_ids"], routed["completion_ids"]], dim=1)
                     mask = torch.cat([routed["prompt_mask"], routed["completion_mask"]], dim=1)
                     width = routed["completion_ids"].size(1)
-                    scores = [self._sampled_token_logps(teacher.model, ids, mask, width)]
+                    with teacher.scoring():  # eval mode, whatever another callback or user did to it since
+                        scores = [self._sampled_token_logps(teacher.model, ids, mask, width)]
                     if exact_divergences:
-                        with self._whole_rows():  # the student's whole rows
-                            divergences = self._exact_divergences(teacher.model, ids, mask, width)
+                        student = {key: batch[key][rows] for key in _TEACHER_INPUTS}  # after the student's prompt
+                        student_inputs = [
+                            torch.cat([student[f"prompt_{k}"], student[f"completion_{k}"]], dim=1)
+                            for k in ("ids", "mask")
+                        ]
+                        with self._whole_rows(), teacher.scoring():  # the student's whole rows
+                            divergences = self._exact_divergences(teacher.model, student_inputs, (ids, mask), width)
                         padding = routed["completion_mask"] == 0
                         scores += [divergence.masked_fill(padding, 0.0) for divergence in divergences]
                 if alignment is not None:
@@ -340,13 +346,19 @@ class CompletionScoringMixin:
             return [None if x is None else x.masked_fill(padding, 0.0) for x in scores]
         return [None if x is None else unpack_completions(x, packed) for x in scores]
 
-    def _exact_divergences(self, teacher_model, input_ids, attention_mask, logits_to_keep):
+    def _exact_divergences(self, teacher_model, student_inputs, teacher_inputs, logits_to_keep):
+        """Per completion token, the exact reverse KL and TV between the student after its prompt and the teacher
+        after its own (`(input_ids, attention_mask)` each: with a teacher prompt, the teacher's is another)."""
         reverse_kl, tv = [], []
-        # The peak stays one forward's, whatever the rollout size
-        for rows in self._row_chunks(attention_mask, self.model_wrapped):
-            packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
+        # The peak stays one forward's, whatever the rollout size; chunked by the wider rows (a teacher prompt's)
+        widest = max(student_inputs[1], teacher_inputs[1], key=lambda mask: mask.size(1))
+        for rows in self._row_chunks(widest, self.model_wrapped):
             hidden_states, heads = [], []
-            for wrapped in (self.model_wrapped, teacher_model):
+            for wrapped, (input_ids, attention_mask) in (
+                (self.model_wrapped, student_inputs),
+                (teacher_model, teacher_inputs),
+            ):
+                packed = self._packed_rows(input_ids[rows], attention_mask[rows], logits_to_keep)
                 unwrapped = self.accelerator.unwrap_model(wrapped)
                 # Through the wrapper's forward, so that sharded (ZeRO-3 / FSDP) parameters are gathered for the
                 # backbone.
@@ -368,7 +380,7 @@ class CompletionScoringMixin:
                 chunk_reverse_kl, chunk_tv = exact_reverse_kl_and_tv(
                     *hidden_states, *heads, temperature=self.temperature
                 )
-            if packed is not None:
+            if packed is not None:  # the completions pack alike after either prompt
                 chunk_reverse_kl, chunk_tv = (unpack_completions(x[0], packed) for x in (chunk_reverse_kl, chunk_tv))
             reverse_kl.append(chunk_reverse_kl)
             tv.append(chunk_tv)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .checks import probe_server, server_unreachable, wait_for_server
+from .tools import served_max_model_len
 
 
 _BATCH_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -193,6 +194,19 @@ class TeacherServerPool:
         """The longest a chunk takes from its first request to the `ConnectionError` when no replica answers it:
         `retries + 1` requests of up to `request_timeout` and the backoffs between them."""
         return (self.retries + 1) * self.request_timeout + self.backoff * (2**self.retries - 1)
+
+    def max_model_len(self):
+        """The teacher's context (the servers' smallest `--max-model-len`, as their `GET /v1/models` gives it) over the
+        replicas that answer; `None` where none gives one."""
+        import requests
+
+        lengths = []
+        for replica in self.replicas:
+            try:
+                lengths.append(served_max_model_len(self._probe(replica)))
+            except requests.RequestException:  # a replica down now is the retries' business, not the context's
+                continue
+        return min(filter(None, lengths), default=None)
 
     def _attach(self, client):
         import requests

@@ -19,6 +19,8 @@ the order given; a row's `teacher_index` counts in that order. A single teacher,
 `SINGLE_TEACHER` and needs no column.
 """
 
+import contextlib
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,17 +37,33 @@ from trl.trainer.utils import create_model_from_path
 logger = logging.get_logger(__name__)
 
 TEACHER_ID_COLUMN = "teacher_id"  # the column TRL's asynchronous distillation trainer routes by
+TEACHER_PROMPT_COLUMN = "teacher_prompt"  # what the teachers score a completion after (`tvopd_trl.teacher_prompts`)
 SINGLE_TEACHER = "teacher"
 
 
 @dataclass
 class Teacher:
     """One teacher of a run: a prepared local `model`, or as `client` the `TeacherServerPool` of its server's replicas
-    (the other is `None`)."""
+    (the other is `None`). `live`: the model is the student itself, scored with its current weights
+    (`self_distillation="live"`). `context`: its context in tokens, once looked up (`teacher_prompts.teacher_context`)."""
 
     name: str
     model: Any = None
     client: Any = None
+    live: bool = False
+    context: int | None = None
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """The model in eval mode, so that dropout never makes a score a random draw; the live student goes back to
+        its own mode afterwards."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            yield self.model
+        finally:
+            if self.live:
+                self.model.train(training)
 
     @property
     def served(self) -> bool:
@@ -135,6 +153,43 @@ def teacher_index(rows, names, device) -> torch.Tensor:
         raise ValueError(
             f"A prompt names teacher {found} in `{TEACHER_ID_COLUMN}`; the teachers are {names}."
         ) from None
+
+
+# `self_teacher`'s source for `self_distillation="live"`: the student itself, not a model to load
+LIVE_STUDENT = object()
+
+
+def self_teacher(args, model, teacher_model):
+    """The trainer's `teacher_model`, or with `args.self_distillation` the student's own weights as its teacher:
+    `LIVE_STUDENT` for `"live"`, for `"frozen"` the student's path (loaded again) or a copy of the student model as
+    it is before training. Raises a `ValueError` naming the fix when a teacher is given beside it."""
+    if args.self_distillation is None:
+        return teacher_model
+    if teacher_model is not None or args.teacher_model_server_url is not None:
+        raise ValueError(
+            f"self_distillation={args.self_distillation!r} makes the student its own teacher: pass no `teacher_model` "
+            "and no `teacher_model_server_url`, or set self_distillation=None to distil from them."
+        )
+    if args.self_distillation == "live":
+        return LIVE_STUDENT
+    return model if isinstance(model, str) else copy.deepcopy(model)
+
+
+def local_teachers_of(trainer, sources, tokenizers) -> dict[str, Teacher]:
+    """`{name: Teacher}` of the local teacher `sources` (`teacher_sources`), prepared (`prepare_teacher`); the live
+    student (`LIVE_STUDENT`) is the trainer's own model. With `self_distillation`, the teacher's tokenizer in
+    `tokenizers` is the student's."""
+    teachers = {}
+    for name, source in sources.items():
+        if trainer.args.self_distillation is not None:
+            tokenizers[name] = trainer._tokenizer
+        if source is LIVE_STUDENT:
+            teachers[name] = Teacher(name, model=trainer.model, live=True)
+            continue
+        # A teacher of another tokenizer scores its own ids: its output layer covers its own tokenizer
+        vocabulary = (trainer.args.cross_tokenizer and tokenizers[name]) or trainer._tokenizer
+        teachers[name] = Teacher(name, model=prepare_teacher(trainer, name, source, vocabulary))
+    return teachers
 
 
 def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel, vocabulary=None):

@@ -37,7 +37,6 @@ from .checks import (
     wait_for_server,
 )
 from .config import TVOPDConfig
-from .cross_tokenizer import teacher_prompt_batch
 from .delta import TokenDelta
 from .metrics import StepStatistics
 from .model_card import add_run_section
@@ -47,7 +46,8 @@ from .scoring import CompletionScoringMixin
 from .sequence_parallel import SequenceParallelMixin
 from .served_teacher import connect_teacher_pool
 from .spans import align_teacher_logps, broadcast_spans, span_sums
-from .teachers import Teacher, prepare_teacher, teacher_index, teacher_processing_classes
+from .teacher_prompts import has_teacher_prompts, teacher_prompt_batch
+from .teachers import Teacher, local_teachers_of, self_teacher, teacher_index, teacher_processing_classes
 from .tokenizers import check_shared_vocabulary, restrict_sampling_to_tokenizer
 from .tools import ToolLoopMixin
 from .tv import tv_sums_by_scale
@@ -165,6 +165,7 @@ class TVOPDTrainer(
             args = TVOPDConfig(f"{name.split('/')[-1]}-TVOPD")
         if not isinstance(args, TVOPDConfig):
             raise TypeError(f"`args` must be a TVOPDConfig, got {type(args).__name__}.")
+        teacher_model = self_teacher(args, model, teacher_model)  # `self_distillation`: the student's own weights
         local_teachers, served_teachers = check_inputs(
             args, train_dataset, processing_class, tools, teacher_model, eval_dataset
         )
@@ -200,8 +201,7 @@ class TVOPDTrainer(
             if tokenizer is not None and isinstance(processing_class, PreTrainedTokenizerBase):  # before models load
                 shared_vocabulary[name] = check_shared_vocabulary(processing_class, tokenizer, args.cross_tokenizer)
 
-        # `prepare_teacher` loads and places the teachers as the base trainer would its one, without its check that the
-        # output layers have one size.
+        # The teachers are loaded afterwards (`local_teachers_of`), without the base trainer's output-size check
         if args.use_vllm:
             from .vllm_weight_sync import cpu_weight_sync
 
@@ -223,12 +223,10 @@ class TVOPDTrainer(
                 tools=tools,
             )
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
-        self.teachers = {}  # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
-        for name, source in local_teachers.items():
-            # A teacher of another tokenizer scores its own ids: its output layer covers its own tokenizer
-            vocabulary = (args.cross_tokenizer and teacher_tokenizers[name]) or self._tokenizer
-            self.teachers[name] = Teacher(name, model=prepare_teacher(self, name, source, vocabulary))
-        if local_teachers:
+        # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
+        self.teachers = local_teachers_of(self, local_teachers, teacher_tokenizers)
+        self.teacher_tokenizers = teacher_tokenizers  # the teacher prompts' rendering (`tvopd_trl.teacher_prompts`)
+        if self.teachers and not next(iter(self.teachers.values())).live:
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=pool) for name, pool in pools.items()})
         self.per_teacher_scale = len(self.teachers) > 1 and args.tv_scale_per_teacher is not False
@@ -415,10 +413,10 @@ class TVOPDTrainer(
         self._metrics[mode]["prompts/truncated"].append(self.accelerator.reduce(truncated, reduction="sum").item())
         if len(self.teachers) > 1:
             output["teacher_index"] = teacher_index(prompts, list(self.teachers), device)
-        if self.alignments:
+        if self.alignments or has_teacher_prompts(prompts):
             routing = output.get("teacher_index", torch.zeros(len(prompts), dtype=torch.long)).tolist()
             names = [list(self.teachers)[index] for index in routing]
-            output.update(teacher_prompt_batch(prompts, names, self.alignments, device))
+            output.update(teacher_prompt_batch(self, prompts, names, device))
         if self.use_vllm:
             # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
             # NaN here, and the loss drops the token.
