@@ -43,3 +43,11 @@ def test_card_section_names_the_task_reward_when_there_is_one(tmp_path):
     section = card_section(args, [{"step": 1, "tv/scale": 1.0, "reward": 0.25}])
     assert "`reward_funcs=['accuracy']`" in section and "`reward_coef=0.5`" in section
     assert "`num_generations=4`" in section and "| `reward` | 0.25 | 1 |" in section
+
+
+def test_a_self_distilled_card_names_the_student_as_its_teacher(make_trainer, tmp_path):
+    trainer = make_trainer(tiny_config(tmp_path, max_steps=1, self_distillation="frozen"), teacher_model=None)
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-self")
+    card = (tmp_path / "README.md").read_text()
+    assert "Teacher: `the student itself (self_distillation='frozen')`" in card

@@ -85,6 +85,8 @@ def add_run_section(trainer, dataset_name):
         for name, teacher in trainer.teachers.items()
     }
     teacher = sources[SINGLE_TEACHER] if len(sources) == 1 and SINGLE_TEACHER in sources else sources
+    if args.self_distillation is not None:
+        teacher = f"the student itself (self_distillation={args.self_distillation!r})"
     section = card_section(args, trainer.state.log_history, teacher=teacher, dataset=dataset_name)
     add_section(os.path.join(args.output_dir, "README.md"), section)
 
