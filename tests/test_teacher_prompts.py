@@ -194,3 +194,16 @@ def test_self_distillation_beside_a_teacher_is_refused(overrides, teacher_model,
 def test_an_unknown_self_distillation_is_refused(tmp_path):
     with pytest.raises(ValueError, match="self_distillation must be 'live'"):
         tiny_config(tmp_path, self_distillation="ema")
+
+
+def test_padding_free_scores_after_the_teacher_prompts_as_padded(make_trainer, tmp_path):
+    # Rows with and without a hint, and the exact divergences: every forward after two prompts of other lengths
+    trainer = make_trainer(tiny_config(tmp_path, advantage_mode="vopd"), train_dataset=hinted(8, every=2))
+    batch = trainer.generate_completions([trainer.train_dataset[i] for i in range(8)])
+    scored = []
+    for padding_free in (False, True):
+        trainer.args.padding_free = padding_free
+        scored.append(trainer.score_completions(dict(batch), exact_divergences=True))
+    mask = batch["completion_mask"].bool()
+    for key in ("teacher_logps", "reverse_kl", "exact_tv"):
+        torch.testing.assert_close(scored[1][key][mask], scored[0][key][mask], atol=1e-5, rtol=0)
