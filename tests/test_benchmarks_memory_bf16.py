@@ -66,11 +66,10 @@ def test_quick_run_reports_positive_repeatable_peaks(tmp_path):
             twice.setdefault(run["trainer"], []).append(run["peak_bytes"])
     assert all(len(set(peaks)) == 1 and len(peaks) == 2 for peaks in twice.values()), twice  # deterministic
     by_name = {run["trainer"]: run for run in results if run["completion"] == 64}
-    # Only update/norm's copy (of one bucket of parameters) separates tv from tv-nonorm, in optimizer.step()
-    assert (
-        by_name["tv"]["phase_peak_bytes"]["optimizer_step"]
-        > by_name["tv-nonorm"]["phase_peak_bytes"]["optimizer_step"]
-    )
+    # Only update/norm separates tv from tv-nonorm, in optimizer.step(): the bucketed step copies one slice at a time,
+    # and the for-loop AdamW's own temporaries shrink to a slice too, so the step peaks lower than the plain one
+    tv_step = by_name["tv"]["phase_peak_bytes"]["optimizer_step"]
+    assert 0 < tv_step < by_name["tv-nonorm"]["phase_peak_bytes"]["optimizer_step"]
     # Without the warm-up step, the forward and backward allocate the same: a cold run stands in for their peak
     for completion in (32, 64):
         for name in ("tv", "distill"):
