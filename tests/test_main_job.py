@@ -81,6 +81,7 @@ def test_every_tiny_recipe_parses_into_its_mode():
         "cross_tokenizer": "tv",
         "tools": "tv",
         "tools_vllm_server": "tv",
+        "self_distill": "tv",
     }
     assert modes == {**expected, **others, **long, **weak}
 

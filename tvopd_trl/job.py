@@ -34,7 +34,7 @@ from .packaged_recipes import find_recipe
 
 
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
-EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm", "tools")
+EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm", "tools", "hint")
 # The held-out splits that grade each embedded task (`eval_benchmark`)
 EMBEDDED_BENCHMARKS = {
     "addition": "tiny",
@@ -42,7 +42,11 @@ EMBEDDED_BENCHMARKS = {
     "long_addition": "tiny-long-addition",
     "addition_vllm": "tiny",
     "tools": "tiny-tools",
+    "hint": "tiny",
 }
+# The embedded tasks whose prompts carry privileged context (a `teacher_prompt`) for `self_distillation` to teach from:
+# task -> its held-out split with that context shown, where the untrained student's accuracy is the run's reference
+HINTED_BENCHMARKS = {"hint": "tiny-hinted"}
 # `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
 WEAK_TEACHER = "weak"
 # `embedded_teacher`'s names of the teachers of another family (`tvopd_trl.tiny.cross_tokenizer_paths`), by member
@@ -76,8 +80,12 @@ class MainJobArguments:
             `eval_max_new_tokens` of at least 64) or `"addition_vllm"` (the tiny pair's task on the vLLM-ready pair,
             whose heads vLLM's CPU attention serves) or `"tools"` (four-digit addition with an `add` tool: the
             student learns to call it and to answer with its result, docs/tools.md; `max_completion_length` of at
-            least 64, `eval_max_new_tokens` of at least 40 per turn). Its held-out splits are `eval_benchmark`'s:
-            `tiny`, `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny` and `tiny-tools`.
+            least 64, `eval_max_new_tokens` of at least 40 per turn) or `"hint"` (the tiny addition task, whose
+            `teacher_prompt` shows the answer as a hint: one model, a student that solves it with the hint and seldom
+            without, which teaches itself with `self_distillation`, `recipes/tiny/self_distill.yaml`). Its held-out
+            splits are `eval_benchmark`'s: `tiny`, `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`
+            and `tiny`. With `self_distillation` on `hint`, the reference the gap is measured to is the untrained
+            student's accuracy with the hint shown (`tiny-hinted`), in place of the teacher's.
         embedded_teacher (`str`, *optional*):
             An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
             imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
@@ -101,7 +109,8 @@ class MainJobArguments:
             routing of several teachers) is dropped.
         eval_benchmark (`str`, *optional*, defaults to `"tiny"`):
             Benchmark of the accuracy evaluation: a registered name (`tvopd_trl.eval.BENCHMARKS`: the paper's six and
-            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction`, `tiny-long-addition` and `tiny-tools`) or a JSONL file
+            the embedded tasks' held-out splits, `tiny`, `tiny-subtraction`, `tiny-long-addition`, `tiny-tools` and
+            `tiny-hinted`, `tiny` with each answer shown as a hint) or a JSONL file
             with `id`, `problem` and `answer` fields. Several, comma-separated, are evaluated each (per skill in the
             summary) and averaged.
         eval_data_dir (`str`, *optional*):
@@ -286,7 +295,9 @@ def load_job(job_args, training_args, model_args):
 
     served = training_args.teacher_model_server_url is not None
     task = job_args.embedded_task
-    if task == "multi_teacher":
+    if task == "hint":  # one model: the student, its own teacher with the hint (`self_distillation`)
+        family = {"student": tiny.hint_student_path(), "teachers": None}
+    elif task == "multi_teacher":
         family = tiny.multi_teacher_paths()
     elif task in ("long_addition", "addition_vllm", "tools"):
         paths = {
@@ -305,8 +316,9 @@ def load_job(job_args, training_args, model_args):
         family["teachers"] = tiny.cross_tokenizer_paths()[CROSS_TOKENIZER_TEACHERS[job_args.embedded_teacher]]
     elif job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
-    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check.
-    embedded_teacher = None if served else family["teachers"]
+    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check;
+    # with `self_distillation`, the student is its own teacher.
+    embedded_teacher = None if served or training_args.self_distillation is not None else family["teachers"]
     teacher_path = training_args.teacher_model_name_or_path or embedded_teacher
     check_model_source(student_path, "`model_name_or_path`")
     if isinstance(teacher_path, dict):
@@ -323,6 +335,10 @@ def load_job(job_args, training_args, model_args):
             train_dataset = tiny.multi_skill_prompt_dataset("opd")
         elif task == "tools":
             train_dataset = tiny.tool_prompt_dataset("opd")
+        elif task == "hint":
+            from .tiny.hint_task import prompt_dataset
+
+            train_dataset = prompt_dataset("opd")  # `prompt` bare, `teacher_prompt` hinted
         else:
             train_dataset = tiny.prompt_dataset("opd", skill="addition" if task == "addition_vllm" else task)
     else:
@@ -348,9 +364,9 @@ def tool_frequencies_of(results, names):
 
 class Accuracy:
     """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy, on each of the job's
-    benchmarks (`eval_benchmark`, comma-separated) and averaged over them."""
+    benchmarks (`eval_benchmark`, comma-separated, or the names given as `benchmarks`) and averaged over them."""
 
-    def __init__(self, job_args, tokenizer):
+    def __init__(self, job_args, tokenizer, benchmarks=None):
         self.job_args, self.tokenizer = job_args, tokenizer
         self.settings = SamplingSettings(
             k=job_args.eval_k,
@@ -360,7 +376,8 @@ class Accuracy:
             max_new_tokens=job_args.eval_max_new_tokens,
         )
         self.options = dict(data_dir=job_args.eval_data_dir, limit=job_args.eval_problems)
-        self.names = [name.strip() for name in job_args.eval_benchmark.split(",")]  # registered names or JSONL files
+        # Registered names or JSONL files
+        self.names = benchmarks or [name.strip() for name in job_args.eval_benchmark.split(",")]
         self.benchmarks = [get_benchmark(name) for name in self.names]
         self.tools = None  # the last evaluation's tool-call frequencies (`tool_frequencies_of`), with a tool loop
         for name in self.names:
@@ -396,12 +413,14 @@ class Accuracy:
 
 
 def check_job_arguments(job_args, training_args, model_args):
-    """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse), and
-    the embedded benchmark for a custom model or dataset."""
+    """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse; with
+    `self_distillation` the student is its own), self-distillation on an embedded task without privileged context, the
+    hint task without it, and the embedded benchmark for a custom model or dataset."""
     # A teacher server may serve the embedded teacher, so it can go with the embedded student.
     student_named = model_args.model_name_or_path is not None
     teacher_named = training_args.teacher_model_name_or_path is not None
-    if (student_named and not (teacher_named or training_args.teacher_model_server_url)) or (
+    own_teacher = training_args.self_distillation is not None
+    if (student_named and not (teacher_named or training_args.teacher_model_server_url or own_teacher)) or (
         teacher_named and not student_named
     ):
         raise ValueError(
@@ -413,6 +432,7 @@ def check_job_arguments(job_args, training_args, model_args):
         raise ValueError(
             f"Unknown `embedded_task` {job_args.embedded_task!r}; choose one of {', '.join(EMBEDDED_TASKS)}."
         )
+    check_self_distillation(job_args, training_args, student_named or teacher_named)
     if job_args.embedded_teacher is not None:
         from .tiny import SKILLS
 
@@ -435,6 +455,45 @@ def check_job_arguments(job_args, training_args, model_args):
         )
     if job_args.embedded_task in EMBEDDED_BUDGETS and not custom:
         check_embedded_budget(job_args, training_args)
+
+
+def check_self_distillation(job_args, training_args, custom_models):
+    """`self_distillation` on an embedded task needs one whose prompts carry privileged context (`HINTED_BENCHMARKS`),
+    and is graded on its bare held-out split; the hint task has no teacher but the student itself."""
+    task, mode = job_args.embedded_task, training_args.self_distillation
+    embedded_prompts = job_args.dataset_name is None
+    if mode is not None and embedded_prompts and task not in HINTED_BENCHMARKS:
+        raise ValueError(
+            f"`self_distillation: {mode}` makes the student its own teacher, which knows more than the student only "
+            f"where its prompt shows more (a `teacher_prompt`): `embedded_task: {task}`'s prompts carry none, so the "
+            f"teacher would be the student itself. Use `embedded_task: {' or '.join(HINTED_BENCHMARKS)}` "
+            "(recipes/tiny/self_distill.yaml), a dataset with a `teacher_prompt` column, or a teacher."
+        )
+    if task in HINTED_BENCHMARKS and embedded_prompts and not custom_models:
+        if mode is None and training_args.teacher_model_server_url is None:
+            raise ValueError(
+                f"`embedded_task: {task}` ships one model, a student that solves the task with the hint and seldom "
+                "without, to teach itself: set `self_distillation: live` (or `frozen`), as "
+                "recipes/tiny/self_distill.yaml does."
+            )
+        benchmark = EMBEDDED_BENCHMARKS[task]
+        if mode is not None and job_args.eval_problems > 0 and job_args.eval_benchmark != benchmark:
+            raise ValueError(
+                f"`embedded_task: {task}` is graded on its held-out split without the hint, `eval_benchmark: "
+                f"{benchmark}`, and measured against the untrained student's accuracy with it "
+                f"({HINTED_BENCHMARKS[task]}); got `eval_benchmark: {job_args.eval_benchmark}`."
+            )
+
+
+def hinted_reference(job_args, training_args):
+    """The benchmark whose accuracy of the untrained student is a self-distillation run's reference in place of a
+    teacher's (its held-out split with the privileged context shown: `HINTED_BENCHMARKS`), or None."""
+    task = job_args.embedded_task
+    if training_args.self_distillation is None or job_args.dataset_name is not None or job_args.eval_problems <= 0:
+        return None
+    if task not in HINTED_BENCHMARKS or job_args.eval_benchmark != EMBEDDED_BENCHMARKS[task]:
+        return None
+    return HINTED_BENCHMARKS[task]
 
 
 # The embedded tasks whose completions need more than the job's default budgets: what a completion holds, and the

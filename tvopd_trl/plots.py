@@ -37,7 +37,7 @@ def _save(figure, output_dir, name):
     return path
 
 
-def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
+def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None, reference_label="teacher"):
     """
     Writes `accuracy.png`, `tv.png`, `update_norm.png` and `advantage_dispersion.png` into `output_dir`.
 
@@ -45,6 +45,8 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
         log_history (`list[dict]`): `trainer.state.log_history`.
         accuracy_history (`list[tuple[int, float]]`): (step, held-out accuracy of the student) pairs.
         teacher_accuracy (`float`, *optional*): drawn as a horizontal reference on the accuracy plot.
+        reference_label (`str`, *optional*, defaults to `"teacher"`): that reference's legend (a self-distillation
+            run's is the untrained student's accuracy with the hint).
 
     Returns:
         `list[str]`: the paths written.
@@ -56,7 +58,7 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None):
         steps, accuracy = zip(*accuracy_history, strict=True)
         axis.plot(steps, accuracy, marker="o", label="student")
     if teacher_accuracy is not None:
-        axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label="teacher")
+        axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label=reference_label)
     axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1.05), title="Student accuracy")
     if accuracy_history or teacher_accuracy is not None:  # nothing to label when the evaluation is off
         axis.legend()

@@ -138,6 +138,8 @@ BENCHMARKS = BenchmarkRegistry(
         "tiny-subtraction": "tvopd_trl.tiny.accuracy:tiny_subtraction_benchmark",
         "tiny-long-addition": "tvopd_trl.tiny.accuracy:tiny_long_addition_benchmark",
         "tiny-tools": "tvopd_trl.tiny.tool_task:tiny_tools_benchmark",
+        # The default pair's held-out split with each answer shown as a hint (the hint family's privileged context)
+        "tiny-hinted": "tvopd_trl.tiny.hint_task:tiny_hinted_benchmark",
     }
 )
 

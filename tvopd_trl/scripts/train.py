@@ -43,6 +43,7 @@ from ..job import (
     check_job_arguments,
     check_launch_options,
     embedded_tools,
+    hinted_reference,
     job_parser,
     load_job,
     tool_frequencies_of,
@@ -64,6 +65,10 @@ def main(job_args, training_args, model_args):
     servers = training_args.teacher_model_server_url
     student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args, model_args)
     accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
+    # With `self_distillation` on a task with privileged context: the untrained student's accuracy with it shown is the
+    # reference (the teacher's, elsewhere)
+    reference = hinted_reference(job_args, training_args)
+    hinted = Accuracy(job_args, tokenizer, benchmarks=[reference]) if reference else None
     local_teachers = teacher_sources = teacher_path
     if servers is not None:
         # `teacher_model_name_or_path` names the served teachers' tokenizers; its other names are local teachers.
@@ -110,7 +115,8 @@ def main(job_args, training_args, model_args):
     # Every process evaluates, each a shard of the responses: a model sharded by ZeRO-3 or FSDP generates on all of them.
     sharded = dict(accelerator=trainer.accelerator)
     if accuracy is not None:
-        if job_args.eval_teacher:  # a served teacher is not in this process to evaluate
+        # A served teacher is not in this process to evaluate; the student as its own teacher is evaluated with the hint
+        if job_args.eval_teacher and training_args.self_distillation is None:
             for name, teacher in trainer.teachers.items():
                 if teacher.served:
                     continue
@@ -137,6 +143,9 @@ def main(job_args, training_args, model_args):
             )
             tools["before"] = accuracy.tools
             scores["student_accuracy_before_greedy"] = accuracy.scores(student, greedy=True, **sharded)
+            if hinted is not None:  # recorded beside the teacher's records of a run with a teacher
+                records = dict(output_dir=os.path.join(out, "eval", "student-hinted"), model_id=student_path)
+                scores.update(_hinted_scores(hinted, accuracy, student, "student_accuracy_hinted", sharded, **records))
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
     train_seconds = time.perf_counter() - train_start
@@ -166,12 +175,21 @@ def main(job_args, training_args, model_args):
                 curves.append((final_step, scores["student_accuracy_after"]))
                 tools["after"] = accuracy.tools
             scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True, **sharded)
+            if hinted is not None:  # whether the student (the live teacher) still reads the hint
+                scores.update(_hinted_scores(hinted, accuracy, student, "student_accuracy_hinted_after", sharded))
     if state.is_main_process:
         if "student_accuracy_before" in scores:
             curves = [(0, scores["student_accuracy_before"]), *curves]
         results.update({key: sum(values.values()) / len(values) for key, values in scores.items()})
         history = [(step, sum(values.values()) / len(values)) for step, values in curves]
-        plots = plot_run(trainer.state.log_history, history, training_args.output_dir, results.get("teacher_accuracy"))
+        reference_key = "student_accuracy_hinted" if hinted is not None else "teacher_accuracy"
+        plots = plot_run(
+            trainer.state.log_history,
+            history,
+            training_args.output_dir,
+            results.get(reference_key),
+            reference_label="student with the hint" if hinted is not None else "teacher",
+        )
         last = next((e for e in reversed(trainer.state.log_history) if "tv/estimate" in e), {})
         scales = {key: value for key, value in last.items() if key.startswith("tv/") and key.endswith("/scale")}
         summary = {
@@ -197,6 +215,7 @@ def main(job_args, training_args, model_args):
             **({"accuracy_curves": curves} if accuracy is not None and len(accuracy.benchmarks) > 1 else {}),
             "student": student_path,
             "teacher": teacher_sources,
+            "self_distillation": training_args.self_distillation,
             "plots": [os.path.basename(path) for path in plots],
             "job_args": asdict(job_args),
         }
@@ -234,9 +253,22 @@ def _skills(scores):
     return skills
 
 
+def _hinted_scores(hinted, accuracy, student, key, sharded, output_dir=None, model_id=None):
+    """The student's mean@k (under `key`, its records in `output_dir`) and greedy accuracy (`<key>_greedy`) with the
+    hint shown (`hinted`'s benchmark), keyed by the job's own benchmark, the same problems without it."""
+    (name,) = [benchmark.name for benchmark in accuracy.benchmarks]
+    return {
+        key: {name: hinted(student, output_dir=output_dir, model_id=model_id, **sharded)},
+        f"{key}_greedy": {name: hinted(student, greedy=True, **sharded)},
+    }
+
+
 def _gap_closed(results):
-    """(after - before) / (teacher - before): the share of the teacher-student gap the run closed."""
-    keys = ("student_accuracy_before", "student_accuracy_after", "teacher_accuracy")
+    """(after - before) / (reference - before): the share of the gap the run closed to its reference, the teacher's
+    accuracy, or with self-distillation on a task with privileged context the untrained student's accuracy with that
+    context shown (`student_accuracy_hinted`)."""
+    reference = "student_accuracy_hinted" if "student_accuracy_hinted" in results else "teacher_accuracy"
+    keys = ("student_accuracy_before", "student_accuracy_after", reference)
     if any(key not in results for key in keys):
         return None
     return gap_closed(*(results[key] for key in keys))
@@ -268,7 +300,12 @@ def _summary_table(summary):
     table.add_column("greedy", justify="right")
     for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
         table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
-    table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
+    if "student_accuracy_hinted" in summary:  # self-distillation: the reference is the student with the hint
+        for label, key in (("student with the hint, before", ""), ("student with the hint, after", "_after")):
+            hinted = f"student_accuracy_hinted{key}"
+            table.add_row(label, fmt(summary.get(hinted)), fmt(summary.get(f"{hinted}_greedy")))
+    else:
+        table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
     if "tool_call_frequency_before" in summary:  # a tool loop's evaluation: how often the student calls, at mean@k
         calls = [summary.get(f"tool_call_frequency_{when}") for when in ("before", "after")]
         table.add_row("tool calls per answer, before -> after", " -> ".join(f"{c:.2f}" for c in calls), "")

@@ -85,6 +85,24 @@ writes a call that does not parse. Their chat template renders tool calls (``<to
 calls with; 2 heads of 32 and 128 positions, for vLLM. Held-out accuracy with the tool (k=4 / greedy): teacher 1.00 /
 1.00, student 0.33 / 0.59. Train with ``tools=[add]`` on ``tool_prompt_dataset("opd")`` (columns ``prompt`` and
 ``solution``); ``python -m tvopd_trl.tiny.build --family tools`` rebuilds the pair (about 4.5 minutes, bit-identical).
+
+The hint family (``checkpoints/hint``, ``hint_student_path()``) is one model: a student of the default pair's task,
+with its tokenizer and architecture, trained on prompts that sometimes show the answer (``tvopd_trl.tiny.hint_task``:
+a system turn ``"Hint: the answer is 133."`` before the question, in three quarters of every batch), and taken after
+it learned to copy the hint, before it learned to add. Held-out accuracy (k=4 / greedy): with the hint 0.99 / 0.99
+(``tiny-hinted``), without it 0.25 / 0.30 (``tiny``). It teaches itself without the hint by on-policy
+self-distillation, each row's hinted prompt as its ``teacher_prompt`` (``embedded_task: hint`` with
+``self_distillation``, ``recipes/tiny/self_distill.yaml``); ``python -m tvopd_trl.tiny.build --family hint`` rebuilds
+it (about 3 minutes, bit-identical).
+
+```python
+>>> from tvopd_trl.tiny import hint_student_path
+>>> from tvopd_trl.tiny.hint_task import evaluate_accuracy as hinted_accuracy, prompt_dataset as hint_prompts
+
+>>> prompts = hint_prompts("opd")  # columns prompt (bare), teacher_prompt (hinted), answer
+>>> student = AutoModelForCausalLM.from_pretrained(hint_student_path())
+>>> hinted_accuracy(student, tokenizer, "test", hinted=True)  # mean@4 with the hint shown
+```
 """
 
 import os
@@ -100,6 +118,7 @@ LONG_ADDITION_DIR = os.path.join(CHECKPOINTS_DIR, "long_addition")
 VLLM_DIR = os.path.join(CHECKPOINTS_DIR, "vllm")
 CROSS_TOKENIZER_DIR = os.path.join(CHECKPOINTS_DIR, "cross_tokenizer")
 TOOLS_DIR = os.path.join(CHECKPOINTS_DIR, "tools")
+HINT_DIR = os.path.join(CHECKPOINTS_DIR, "hint")
 
 
 def teacher_path():
@@ -152,6 +171,12 @@ def tools_paths():
     return {member: os.path.join(TOOLS_DIR, member) for member in ("student", "teacher")}
 
 
+def hint_student_path():
+    """Directory of the shipped hint family's one model (`hint_task`): a student of the default pair's task that solves
+    it when its prompt shows the answer as a hint and seldom otherwise, its own teacher with the hint."""
+    return os.path.join(HINT_DIR, "student")
+
+
 __all__ = [
     "CHECKPOINTS_DIR",
     "CROSS_TOKENIZER_DIR",
@@ -161,6 +186,8 @@ __all__ = [
     "SPLITS",
     "cross_tokenizer_paths",
     "evaluate_accuracy",
+    "HINT_DIR",
+    "hint_student_path",
     "long_addition_paths",
     "multi_skill_prompt_dataset",
     "multi_teacher_paths",

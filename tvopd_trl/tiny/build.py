@@ -96,6 +96,17 @@ failed calls per call, mistakes by kind, and the longest reference transcript in
 470 s from run to run on this shared box, the same pair each time); teacher 1.000 (k=4) / 1.000 (greedy), student
 0.326 / 0.586 (of its 1,348 wrong conversations at k=4, 1,201 called with wrong arguments, 106 boxed another number
 than the tool's result, 41 wrote a call that does not parse).
+
+The hint family (``--family hint``: ``DIR/student``) is one model of the default pair's tokenizer (unchanged, byte for
+byte), architecture and optimizer, trained from scratch at the constant peak rate on the ``"sft"`` problems, a quarter
+of every batch as they are and three quarters after a system turn that gives the answer away (``hint_task``:
+``"Hint: the answer is 133."``; 43-44 prompt tokens, 50 with the response). Copying the hint is learned long before
+adding: with the default seed, hinted dev accuracy passes 0.95 by step ~300 while the bare one stays near 0.05 until
+step ~550. The student is picked as the default one on the bare dev split (step 640: dev 0.26), and training stops
+at the first checkpoint above 0.30 (step 650). Its held-out accuracy (k=4) must reach 0.9 with the hint and stay at
+or below 0.6 without it, or the build fails. ``DIR/build.json`` holds both (``heldout``: ``hinted`` on
+``tiny-hinted``, ``bare`` on ``tiny``; k=4 and greedy). Measured here: hinted 0.988 (k=4) / 0.994 (greedy), bare
+0.252 / 0.296; 185 s on one core (471 s beside a CI run on the other, the same student byte for byte).
 """
 
 import argparse
@@ -300,6 +311,23 @@ TOOL_CHATML = dataclasses.replace(
     spare_lines=(),
     response_template=tool_task.RESPONSE_TEMPLATE,
 )
+# The hint family (`hint_task`): the default pair's task, tokenizer, model and optimizer, one run on the "sft" problems
+# where three quarters of every batch show the answer as a hint (a system turn) and the rest are bare. Copying the hint
+# is learned first and adding the operands long after (with the default seed, greedy on 300 dev problems: hinted 0.95
+# at step 275, bare near 0.05 until step ~550, then the default pair's sharp transition); with half the batch hinted
+# both come together (step 350: bare 0.31, hinted 0.91; step 400: 0.23, 0.74). At the constant peak rate, the student
+# is picked as the default one (the last checkpoint at or below 0.30 bare dev accuracy), and training stops at the
+# first one above it. Its held-out accuracy must reach `hinted_heldout_min` with the hint and stay at or below
+# `bare_heldout_max` without it, or the build fails.
+HINT_DEFAULTS = dict(
+    DEFAULTS,
+    weak_teacher=None,
+    skill_shares=(0.25, 0.75),  # bare, hinted
+    constant_until=1500,
+    transition_window=(200, 1500),
+    hinted_heldout_min=0.9,
+    bare_heldout_max=0.6,
+)
 ARCHITECTURES = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}
 CHAT_FORMATS = {"chatml": CHATML, "llama3": LLAMA3, "chatml_tools": TOOL_CHATML}
 
@@ -405,6 +433,18 @@ def encode_sft(tokenizer, rows):
         )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         response_ids = tokenizer(row["response"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        sequences.append(prompt_ids + response_ids)
+        labels.append([-100] * len(prompt_ids) + response_ids)
+    return _pad_right(tokenizer, sequences, labels)
+
+
+def encode_conversations(tokenizer, prompts, responses):
+    """`encode_sft` of prompts that are whole conversations (the hint family's: a system turn, then the question)."""
+    sequences, labels = [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
         sequences.append(prompt_ids + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)
     return _pad_right(tokenizer, sequences, labels)
@@ -845,12 +885,65 @@ def build_tools(output_dir, keep_checkpoints=False, log=print, **overrides):
     return summary
 
 
+def build_hint(output_dir, keep_checkpoints=False, log=print, **overrides):
+    """Builds the hint family (`hint_task`) into `output_dir` (`student/`: one checkpoint of a run on partly hinted
+    data) and returns a summary dict (also written to `output_dir/build.json`): the student's held-out accuracy with
+    the hint and without it (`heldout["hinted"]`, `heldout["bare"]`, each k=4 and greedy). Raises when the hinted one is
+    below `hinted_heldout_min` or the bare one above `bare_heldout_max`."""
+    from . import hint_task
+
+    settings = {**HINT_DEFAULTS, **overrides}
+    (skill,) = settings["skills"]
+    start = time.time()
+    tokenizer, model = _start(settings)
+    # Encoded before any evaluation, as the multi-teacher family's (the student ships the default tokenizer.json)
+    rows = task.problems("sft", skill)
+    prompts = [
+        hint_task.conversation(row["question"], row["answer"], hinted) for hinted in (False, True) for row in rows
+    ]
+    data = (
+        *encode_conversations(tokenizer, prompts, [row["response"] for _ in range(2) for row in rows]),
+        [len(rows)] * 2,
+    )
+    longest = int(data[1].sum(1).max())
+    if longest > tokenizer.model_max_length:
+        raise RuntimeError(
+            f"Hinted conversations of {longest} tokens do not fit {tokenizer.model_max_length} positions."
+        )
+    # The student search evaluates the bare dev split (`evaluate_accuracy`'s addition), and stops past the student
+    student_state, search = search_student(
+        model, tokenizer, settings, output_dir, keep_checkpoints, log, start, stop_at_student=True, data=data
+    )
+    model.load_state_dict(student_state)
+    model.eval()
+    save_pair_member(model, tokenizer, os.path.join(output_dir, "student"))
+    hinted = {
+        "k4": hint_task.evaluate_accuracy(model, tokenizer, "test", hinted=True, k=4, seed=0),
+        "greedy": hint_task.evaluate_accuracy(model, tokenizer, "test", hinted=True, greedy=True),
+    }
+    heldout = {"hinted": hinted, "bare": heldout_report(model, tokenizer, skill)}
+    summary = _write_summary(
+        output_dir, settings, model, start, search, longest_sequence_tokens=longest, heldout=heldout
+    )
+    for prompt, report in heldout.items():
+        step = search["student_step"]
+        log(f"student (step {step}), {prompt}: held-out k=4 {report['k4']:.3f}, greedy {report['greedy']:.3f}")
+    log(f"wall time {summary['wall_time_s']:.0f}s")
+    if hinted["k4"] < settings["hinted_heldout_min"] or heldout["bare"]["k4"] > settings["bare_heldout_max"]:
+        raise RuntimeError(
+            f"The student's held-out accuracy is {hinted['k4']} with the hint (at least "
+            f"{settings['hinted_heldout_min']} wanted) and {heldout['bare']['k4']} without (at most "
+            f"{settings['bare_heldout_max']}): tune `skill_shares` or `student_max_dev_accuracy`."
+        )
+    return summary
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", help="Where the family is written (required unless --unchanged-since).")
     parser.add_argument(
         "--family",
-        choices=("pair", "multi-teacher", "long-addition", "vllm", "cross-tokenizer", "tools"),
+        choices=("pair", "multi-teacher", "long-addition", "vllm", "cross-tokenizer", "tools", "hint"),
         default="pair",
         help="The default teacher/student pair, the multi-teacher family (a student and one teacher per skill), the "
         "long-completion pair (three-digit addition worked out column by column), the vLLM-ready pair (the default "
@@ -868,7 +961,7 @@ def main():
         "--total-steps",
         type=int,
         help="Training steps: the pair's (default 1500; long-addition 800; tools 450), the family's most for the "
-        "student search (multi-teacher, default 3000), or each cross-tokenizer teacher's.",
+        "student search (multi-teacher, default 3000; hint 1500), or each cross-tokenizer teacher's.",
     )
     parser.add_argument(
         "--keep-checkpoints", action="store_true", help="Also save every checkpoint evaluated in the window."
@@ -902,6 +995,7 @@ def main():
         "vllm": functools.partial(build, defaults=VLLM_DEFAULTS),
         "cross-tokenizer": build_cross_tokenizer,
         "tools": build_tools,
+        "hint": build_hint,
     }
     summary = builders[args.family](
         args.output_dir, seed=args.seed, log=lambda message: print(message, flush=True), **kwargs
