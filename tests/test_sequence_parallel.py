@@ -129,6 +129,8 @@ VARIANTS = {
     "cross-tokenizer": ("tv", ["teacher=cross"], 3),
     "tools": ("tv", ["tools=1"], 3),
     "two-teachers": ("tv", ["teacher=two"], 3),
+    "teacher-prompts": ("tv", ["teacher=hinted"], 3),
+    "self-distillation": ("tv", ["teacher=self"], 3),
     "three-head-teacher": ("tv", ["teacher=three-heads"], 3),
     "gradient-checkpointing": ("tv", ["checkpointing=1"], 2),
 }

@@ -173,6 +173,35 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
     assert "| Teacher |" in (results / "tables.md").read_text()
 
 
+def test_a_self_distillation_study_reports_against_the_students_own_hinted_accuracy(tmp_path):
+    _run_short_study(
+        tmp_path,
+        "study_self_distill",
+        methods=lambda raw: {slug: raw["methods"][slug] for slug in ("tv_live", "raw_frozen")},
+        analysis=lambda raw: raw["analysis"] | {"late_window": [2, 4, 2], "metric_methods": ["tv_live", "raw_frozen"]},
+    )
+
+    results = tmp_path / "results"
+    for name in ("README.md", "tables.md", "curves.png", "abs_delta.png", "tv_scale.png"):
+        assert (results / name).is_file(), name
+    aggregates = json.loads((results / "results.json").read_text())["aggregates"]
+    for slug, name in (("tv_live", "TV-OPD (live teacher)"), ("raw_frozen", "Raw OPD (frozen teacher)")):
+        summary = json.loads((tmp_path / "runs" / slug / "seed-0" / "summary.json").read_text())
+        assert summary["self_distillation"] == slug.split("_")[1] and "teacher_accuracy" not in summary
+        assert aggregates["Student with the hint (step 0)"][0] == summary["student_accuracy_hinted"]
+        row = aggregates["Against the student's own hinted accuracy"][name]
+        assert row["gap_closed"][0] == pytest.approx(summary["gap_closed"])
+        assert row["student_accuracy_hinted_after"][0] == summary["student_accuracy_hinted_after"]
+        history = json.loads((tmp_path / "runs" / slug / "seed-0" / "log_history.json").read_text())
+        for metric in ("advantage/abs_mean", "tv/scale"):
+            logged = [entry[metric] for entry in history if metric in entry]
+            assert len(logged) == 4 and aggregates["Over training"][name][metric][0] == pytest.approx(
+                sum(logged) / len(logged)
+            )
+    tables = (results / "tables.md").read_text()
+    assert "| Student with the hint (step 0) |" in tables and "Mean abs(delta)" in tables
+
+
 def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path):
     _run_short_study(
         tmp_path,
@@ -219,6 +248,7 @@ def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path)
         "study_async_lr",
         "study_async_lr3e-4",
         "study_async_steps",
+        "study_self_distill",
     ],
 )
 def test_every_shipped_study_file_loads(name):

@@ -169,3 +169,13 @@ def test_the_summary_measures_the_gap_to_the_students_own_accuracy_with_the_hint
         assert 0 <= summary[key] <= 1, key
     saved = json.loads((tmp_path / "eval" / "student-hinted" / "results.json").read_text())
     assert saved["benchmarks"]["tiny-hinted"]["mean@2"] == hinted
+
+
+@pytest.mark.long
+def test_the_self_distill_recipe_closes_half_the_gap_to_the_students_own_hinted_accuracy(tmp_path):
+    """The recipe as shipped (150 steps, about 2 minutes on one core): the student taught by itself with the hint
+    closes at least half the gap to its hinted accuracy (0.79 measured, docs/self-distillation.md)."""
+    assert run(["--config", str(RECIPE), "--output_dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 150 and summary["student_accuracy_hinted"] >= 0.9, summary
+    assert summary["gap_closed"] >= 0.5, summary

@@ -36,6 +36,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, set_seed
 
 from .cross_tokenizer import TokenizerAlignment
+from .teachers import TEACHER_PROMPT_COLUMN
 from .tokenizers import check_shared_vocabulary
 from .tv import tv_estimate
 
@@ -263,7 +264,7 @@ def pair_report(trainer, batch, z_threshold):
     total, count = tv_estimate(batch["teacher_logps"], batch["old_logps"], active)
     estimate = float(total / count)
     summary = f"mean delta {float(delta.mean()):+.3f} nats (reverse KL estimate {float(-delta.mean()):.3f}); TV estimate {estimate:.3f}"
-    if trainer.teacher_model is None:
+    if all(teacher.served for teacher in trainer.teachers.values()):
         return Check("teacher vs student", INFO, summary + " (served teacher: no exact TV)")
     exact = batch["exact_tv"]
     x = (1 - (batch["teacher_logps"] - batch["old_logps"]).exp()).clamp_min(0.0)[active]
@@ -361,7 +362,10 @@ def _diagnose_pair(
     teacher_tokenizer = (
         AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=remote_code) if teacher_path else None
     )
-    if teacher_tokenizer is None:
+    own = training_args.self_distillation
+    if own is not None:
+        checks.append(Check("tokenizers", SKIP, f"the student is its own teacher (`self_distillation: {own}`)"))
+    elif teacher_tokenizer is None:
         checks.append(Check("tokenizers", SKIP, "served teacher without `teacher_model_name_or_path`"))
     else:
         checks.append(check_tokenizers(tokenizer, teacher_tokenizer, training_args.cross_tokenizer))
@@ -370,7 +374,7 @@ def _diagnose_pair(
     if teacher_tokenizer is not None and not cross:
         checks.append(check_chat_templates(tokenizer, teacher_tokenizer, [p["prompt"] for p in prompts]))
     served = training_args.teacher_model_server_url is not None
-    if not served and not cross:
+    if not served and not cross and own is None:
         checks.append(
             check_vocab_sizes(
                 AutoConfig.from_pretrained(student_path, trust_remote_code=remote_code),
@@ -389,9 +393,10 @@ def _diagnose_pair(
             processing_class=tokenizer,
             **model_options,
         )
-        self_args = dataclasses.replace(args, teacher_model_server_url=None)
+        # The student scored as its own teacher after its own prompts, where every delta is 0 up to numerics
+        self_args = dataclasses.replace(args, teacher_model_server_url=None, self_distillation=None)
         trainer, _ = _build(common, args=self_args, teacher_model=student_path, teacher_processing_class=tokenizer)
-        batch = rollouts(trainer, prompts)
+        batch = rollouts(trainer, [{k: v for k, v in p.items() if k != TEACHER_PROMPT_COLUMN} for p in prompts])
         student_dtype = next(trainer.model.parameters()).dtype
         checks.append(
             check_self_delta(batch, tolerance, student_dtype, next(trainer.teacher_model.parameters()).dtype)
@@ -402,13 +407,14 @@ def _diagnose_pair(
         trainer, notes = _build(
             common,
             args=args,
-            teacher_model=None if served else teacher_path,
+            teacher_model=None if served or own is not None else teacher_path,
             teacher_processing_class=teacher_tokenizer,
         )
         checks += notes
         batch = rollouts(trainer, prompts, exact_divergences=not served)
-        if not served:
-            checks.append(check_dtypes(student_dtype, next(trainer.teacher_model.parameters()).dtype))
-            checks.append(check_padded_vocabulary(trainer.teacher_model, batch, len(tokenizer), args.temperature))
+        if not served:  # the teacher's model: with `self_distillation: live`, the student's own
+            (teacher,) = (t.model for t in trainer.teachers.values())
+            checks.append(check_dtypes(student_dtype, next(teacher.parameters()).dtype))
+            checks.append(check_padded_vocabulary(teacher, batch, len(tokenizer), args.temperature))
         checks.append(pair_report(trainer, batch, z_threshold))
     return checks

@@ -455,44 +455,81 @@ def analyze_skills(study, results):
 
 
 def analyze_against_teacher(study, results):
-    """A study against one teacher (the task reward's, the asynchronous rollouts'): each method's retention numbers
-    and wall time beside the teacher's accuracy, its accuracy curves, and a figure per logged metric of
-    `analysis.metric_curves` (`{file name: metric}`) for the methods of `analysis.metric_methods`."""
+    """A study against one teacher (the task reward's, the asynchronous rollouts'), or against the student's own
+    accuracy with privileged context shown (self-distillation's reference, `student_accuracy_hinted`): each method's
+    retention numbers, gap closed and wall time beside the reference's accuracy, its accuracy curves, a figure per
+    logged metric of `analysis.metric_curves` (`{file name: metric}`) for the methods of `analysis.metric_methods`, and
+    each run's mean over training of the metrics of `analysis.metric_means` (`{column title: metric}`)."""
     from .eval.tables import format_table
     from .plots import plot_curves
 
     out, k, analysis = study.results_dir, study.overrides["eval_k"], study.analysis
-    teacher = _aggregate(run["summary"]["teacher_accuracy"] for runs in results.values() for run in runs)
+    summaries = [run["summary"] for runs in results.values() for run in runs]
+    own = all("student_accuracy_hinted" in summary for summary in summaries)
+    reference_key, reference = (
+        ("student_accuracy_hinted", "Student with the hint (step 0)")
+        if own
+        else (
+            "teacher_accuracy",
+            "Teacher",
+        )
+    )
+    teacher = _aggregate(summary[reference_key] for summary in summaries)
     student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
     rows = retention_rows(study, results, list(study.methods))
+    header = {"selected": "Selected", "final": "Final", "late_mean": "LateMean", "peak_drop": "PeakDrop"}
+    extra = {"gap_closed": "Gap closed", "student_accuracy_hinted_after": "With the hint, after"}
+    header |= {key: title for key, title in extra.items() if all(key in summary for summary in summaries)}
+    header["minutes"] = "Wall time (min)"
     for method, runs in results.items():
+        row = rows[study.methods[method]["name"]]
+        for key in header.keys() & extra.keys():
+            row[key] = _aggregate(r["summary"][key] for r in runs)
         # minutes, divided by the table's percent scale
-        rows[study.methods[method]["name"]]["minutes"] = _aggregate(r["summary"]["wall_seconds"] / 6000 for r in runs)
-    header = {
-        "selected": "Selected",
-        "final": "Final",
-        "late_mean": "LateMean",
-        "peak_drop": "PeakDrop",
-        "minutes": "Wall time (min)",
-    }
+        row["minutes"] = _aggregate(r["summary"]["wall_seconds"] / 6000 for r in runs)
     fixed = {
-        "Teacher": {"selected": teacher, "final": teacher},
+        reference: {"selected": teacher, "final": teacher},
         "Student (step 0)": {"selected": student, "final": student},
     }
     table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop", "minutes"), fixed_rows=fixed)
     window = list(_steps(analysis["late_window"]))
-    tables = (
-        f"### Against the teacher\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; LateMean over "
-        f"steps {window}, PeakDrop = max over steps - LateMean (lower is better); wall time of each run, on a machine "
-        f"running {study.parallel} at a time. Bold best, underlined second.\n\n{table}\n"
-    )
+    title = "Against the student's own hinted accuracy" if own else "Against the teacher"
+    tables = [
+        f"### {title}\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; LateMean over "
+        f"steps {window}, PeakDrop = max over steps - LateMean (lower is better); gap closed to the "
+        f"{reference.lower()}'s accuracy; wall time of each run, on a machine running {study.parallel} at a time. Bold "
+        f"best, underlined second.\n\n{table}\n"
+    ]
+    numbers = {title: rows, reference: teacher}
+    means = analysis.get("metric_means", {})
+    if means:
+        dynamics = {}
+        for method, runs in results.items():
+            per_run = {metric: [_run_mean(r["log_history"], metric) for r in runs] for metric in means.values()}
+            dynamics[study.methods[method]["name"]] = {
+                metric: None if None in values else _aggregate(values) for metric, values in per_run.items()
+            }
+        numbers["Over training"] = dynamics
+        table = format_table(
+            dynamics,
+            list(means.values()),
+            header={v: t for t, v in means.items()},
+            highlight="none",
+            scale=1,
+            digits=3,
+        )
+        tables.append(
+            "### Over training\n\nEach run's mean over its logged steps, then mean ± sample std over seeds ("
+            + ", ".join(f"{t}: `{metric}`" for t, metric in means.items())
+            + f"; — where a method does not log it).\n\n{table}\n"
+        )
     plot_curves(_curves(study, results, list(study.methods)), os.path.join(out, "curves.png"), f"Held-out mean@{k}")
     figures = ["curves.png"]
     for name, metric in analysis.get("metric_curves", {}).items():
         curves = _curves(study, results, analysis["metric_methods"], metric)
         plot_curves(curves, os.path.join(out, name), metric, ylabel=metric, scale=1)
         figures.append(name)
-    return {"Against the teacher": rows, "Teacher": teacher}, tables, figures
+    return numbers, "\n".join(tables), figures
 
 
 # A teacher with another tokenizer's alignment statistics, each run's mean over its logged steps (`span_metrics`)

@@ -4,7 +4,7 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `teacher=cross|two|three-heads|served` (with `url=`: a vLLM server of the vLLM-ready pair's teacher, whose
+`tools=1`, `teacher=cross|two|three-heads|served|hinted|self` (with `url=`: a vLLM server of the vLLM-ready pair's teacher, whose
 student then trains), `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
 (16-32 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 6-12 of every completion are a tool
@@ -26,7 +26,15 @@ import tvopd_trl.rollout_batching
 import tvopd_trl.sequence_parallel
 from tvopd_trl import TVOPDTrainer
 from tvopd_trl.testing import tiny_config, tiny_pair_trainer
-from tvopd_trl.tiny import cross_tokenizer_paths, prompt_dataset, teacher_path, vllm_paths, weak_teacher_path
+from tvopd_trl.tiny import (
+    cross_tokenizer_paths,
+    hint_student_path,
+    prompt_dataset,
+    teacher_path,
+    vllm_paths,
+    weak_teacher_path,
+)
+from tvopd_trl.tiny.hint_task import prompt_dataset as hint_prompt_dataset
 
 
 LEARNING_RATE = 0.1
@@ -167,6 +175,11 @@ def main(output_dir, mode, *options):
         tokenizer = AutoTokenizer.from_pretrained(pair["student"], padding_side="left")
         kwargs.update(model=pair["student"], teacher_model=None, processing_class=tokenizer)
         kwargs["teacher_processing_class"] = tokenizer
+    if options.get("teacher") in ("hinted", "self"):  # every row's teacher prompt shows the answer (`hint_task`)
+        kwargs["train_dataset"] = hint_prompt_dataset("opd", 32)
+    if options.get("teacher") == "self":  # the hint student, its own teacher with the hint, its current weights
+        overrides["self_distillation"] = "live"
+        kwargs.update(model=hint_student_path(), teacher_model=None)
     if options.get("teacher") == "cross":
         overrides["cross_tokenizer"] = True
         kwargs["teacher_model"] = cross_tokenizer_paths()["triplets"]
