@@ -3,7 +3,8 @@ tests/test_distributed.py), against runs without it on the same rollouts: 2 proc
 replica) against 1 process (tests/distributed_scripts/sequence_parallel.py) at each ZeRO stage, for the modes whose
 advantage reads whole rows, a task reward, a teacher of another tokenizer whose spans cross the shard boundary, a tool
 result that crosses it, two teachers routed by row, a teacher with 3 attention heads (which Ulysses could not split in
-2: it scores whole rows) and gradient checkpointing. Compared: every per-token tensor the loss reads and the loss, the
+2: it scores whole rows), gradient checkpointing, a teacher that scores after each row's own `teacher_prompt`, and the
+student as its own live teacher after the hinted prompts (`self_distillation`). Compared: every per-token tensor the loss reads and the loss, the
 first step's gradient of every parameter (1e-5 relative), every logged value over 3 optimizer steps, evaluation. Then
 what Ulysses cannot run, refused. Whole jobs under SP: tests/test_sequence_parallel_jobs.py.
 """
@@ -80,7 +81,11 @@ def assert_same_run(run, reference):
             if value.shape == real.shape and key != "completion_mask":
                 value, call[key] = value[real], call[key][real]
             if value.is_floating_point():
-                assert relative_error(call[key], value) <= tolerance, (index, key)
+                # The entropy, logsumexp(z) - sum p z, is a difference of O(10)-nat terms: exact to float32's ~1e-6
+                # nats, which is far above 1e-4 relative for the hint student that one step makes near-deterministic
+                absolute = 1e-5 if key == "entropy" else 0.0
+                difference = (call[key].double() - value.double()).abs().max().item()
+                assert relative_error(call[key], value) <= tolerance or difference <= absolute, (index, key)
             else:
                 assert torch.equal(call[key], value), key
     # SGD without clipping: the first step's parameter change is -lr times its gradient

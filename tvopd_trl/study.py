@@ -496,8 +496,8 @@ def analyze_against_teacher(study, results):
     title = "Against the student's own hinted accuracy" if own else "Against the teacher"
     tables = [
         f"### {title}\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; LateMean over "
-        f"steps {window}, PeakDrop = max over steps - LateMean (lower is better); gap closed to the "
-        f"{reference.lower()}'s accuracy; wall time of each run, on a machine running {study.parallel} at a time. Bold "
+        f"steps {window}, PeakDrop = max over steps - LateMean (lower is better); gap closed = (final - student at step 0) "
+        f"/ (first row - student at step 0); wall time of each run, on a machine running {study.parallel} at a time. Bold "
         f"best, underlined second.\n\n{table}\n"
     ]
     numbers = {title: rows, reference: teacher}

@@ -177,6 +177,7 @@ def main(output_dir, mode, *options):
         kwargs["teacher_processing_class"] = tokenizer
     if options.get("teacher") in ("hinted", "self"):  # every row's teacher prompt shows the answer (`hint_task`)
         kwargs["train_dataset"] = hint_prompt_dataset("opd", 32)
+        overrides["max_completion_length"] = 20  # the 42-token hinted prompts leave 22 of the 64 positions
     if options.get("teacher") == "self":  # the hint student, its own teacher with the hint, its current weights
         overrides["self_distillation"] = "live"
         kwargs.update(model=hint_student_path(), teacher_model=None)
