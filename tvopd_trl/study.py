@@ -466,15 +466,9 @@ def analyze_against_teacher(study, results):
     out, k, analysis = study.results_dir, study.overrides["eval_k"], study.analysis
     summaries = [run["summary"] for runs in results.values() for run in runs]
     own = all("student_accuracy_hinted" in summary for summary in summaries)
-    reference_key, reference = (
-        ("student_accuracy_hinted", "Student with the hint (step 0)")
-        if own
-        else (
-            "teacher_accuracy",
-            "Teacher",
-        )
-    )
-    teacher = _aggregate(summary[reference_key] for summary in summaries)
+    reference_key = "student_accuracy_hinted" if own else "teacher_accuracy"
+    reference = "Student with the hint (step 0)" if own else "Teacher"
+    reference_accuracy = _aggregate(summary[reference_key] for summary in summaries)
     student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
     rows = retention_rows(study, results, list(study.methods))
     header = {"selected": "Selected", "final": "Final", "late_mean": "LateMean", "peak_drop": "PeakDrop"}
@@ -488,7 +482,7 @@ def analyze_against_teacher(study, results):
         # minutes, divided by the table's percent scale
         row["minutes"] = _aggregate(r["summary"]["wall_seconds"] / 6000 for r in runs)
     fixed = {
-        reference: {"selected": teacher, "final": teacher},
+        reference: {"selected": reference_accuracy, "final": reference_accuracy},
         "Student (step 0)": {"selected": student, "final": student},
     }
     table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop", "minutes"), fixed_rows=fixed)
@@ -500,7 +494,7 @@ def analyze_against_teacher(study, results):
         f"/ (first row - student at step 0); wall time of each run, on a machine running {study.parallel} at a time. Bold "
         f"best, underlined second.\n\n{table}\n"
     ]
-    numbers = {title: rows, reference: teacher}
+    numbers = {title: rows, reference: reference_accuracy}
     means = analysis.get("metric_means", {})
     if means:
         dynamics = {}
