@@ -261,6 +261,7 @@ OTHER_NAMES = {
     "vocab_size",  # a model config's
     "accelerate_config",  # a recipe key that `tvopd-trl train` passes to `accelerate launch`
     "teacher_model",  # the trainer's argument
+    "teacher_prompt",  # a dataset column
     "num_items_in_batch",  # `compute_loss`'s argument
     "logit_scale",  # model config attributes
     "final_logit_softcapping",
