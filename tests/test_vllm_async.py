@@ -347,6 +347,8 @@ def test_two_processes_train_on_their_shares_of_each_batch_sampled_ahead(server,
     for rank in (first, second):
         assert rank["trained"] == rank["loaded"] and len(rank["trained"]) == 3
     assert all(set(a).isdisjoint(b) for a, b in zip(first["trained"], second["trained"], strict=True))
+    # One sender: the main process loads the server's weights before sampling and after each of the 3 steps
+    assert (first["weight_reloads"], second["weight_reloads"]) == (4, 0)
     assert [entry["async/staleness/max"] for entry in first["logs"]][:2] == [0, 1]
     # ... with the sampler's log-probabilities of its own rows: at step 1 they are the trainer's, up to kernels
     assert all(rank["logs"][0]["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE for rank in (first, second))
@@ -362,6 +364,8 @@ def test_one_sp_group_of_two_processes_trains_on_its_shares_of_each_batch_sample
     for rank in (first, second):
         assert rank["trained"] == rank["loaded"] and len(rank["trained"]) == 3
     assert all(set(a).isdisjoint(b) for a, b in zip(first["trained"], second["trained"], strict=True))
+    # One sender for the group, as without SP
+    assert (first["weight_reloads"], second["weight_reloads"]) == (4, 0)
     # pi_old, computed on the split rows, is the sampler's at step 1, up to kernels
     assert all(rank["logs"][0]["sampling/sampling_logp_difference/mean"] < LOGP_TOLERANCE for rank in (first, second))
     assert [entry["tv/estimate"] for entry in first["logs"]] == [entry["tv/estimate"] for entry in second["logs"]]

@@ -1,5 +1,5 @@
 """2-process DDP with asynchronous rollouts (`max_staleness=1`) from a real vLLM server: each rank records the rows it
-trained on at each step, the staleness it logged and its final parameters.
+trained on at each step, the staleness it logged, how many weight reloads it sent the server and its final parameters.
 
     accelerate launch --config_file recipes/accelerate_configs/ddp_cpu.yaml vllm_async_ddp.py OUTPUT_DIR SERVER_URL
     accelerate launch --config_file recipes/accelerate_configs/zero3_sp_cpu.yaml vllm_async_ddp.py OUTPUT_DIR \
@@ -12,6 +12,7 @@ tests/test_vllm_async.py starts the server and checks the ranks against each oth
 
 import sys
 
+import requests
 import torch
 from accelerate.utils import DistributedType
 from common import check_launch, finish, save_rank_result, skip_deepspeed_shm_op
@@ -57,11 +58,19 @@ def main(output_dir, url, launch="ddp"):
         return rows
 
     trainer._take_rollout = recording_take
+    reloads, post = [], requests.Session.post
+
+    def recording_post(session, url, *args, **kwargs):
+        if url.endswith("/collective_rpc"):
+            reloads.append(url)
+        return post(session, url, *args, **kwargs)
+
+    requests.Session.post = recording_post  # the weight sync's request, on whichever process sends it
     loaded = [[row["prompt"][0]["content"] for row in batch] for batch in list(trainer.get_train_dataloader())[:3]]
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "tv/scale" in entry]
     parameters = torch.cat([p.flatten() for p in full_parameters(trainer).values()])
-    result = {"trained": trained, "loaded": loaded, "logs": logs}
+    result = {"trained": trained, "loaded": loaded, "logs": logs, "weight_reloads": len(reloads)}
     save_rank_result(output_dir, trainer.accelerator, result, tensors={"parameters": parameters})
     finish(output_dir, trainer.accelerator)
 
