@@ -68,29 +68,30 @@ def vopd_advantage(delta, active, *, reverse_kl, clip_low=None):
     return torch.where(active, _finite_delta(delta, active, clip_low) + reverse_kl.float(), 0.0)
 
 
-def sign_advantage(delta, active):
-    return torch.where(active, torch.sign(delta), 0.0)
+def sign_advantage(delta, active, *, tolerance=0.0):
+    # A tie (|delta| <= tolerance, see `sign_tolerance`) has no direction: sign 0, however the forwards rounded it
+    return torch.where(active & (delta.abs() > tolerance), torch.sign(delta), 0.0)
 
 
-def tv_advantage(delta, active, *, scale):
-    return scale * sign_advantage(delta, active)
+def tv_advantage(delta, active, *, scale, tolerance=0.0):
+    return scale * sign_advantage(delta, active, tolerance=tolerance)
 
 
-def relative_power_advantage(delta, active, *, beta, clip_low=None):
+def relative_power_advantage(delta, active, *, beta, clip_low=None, tolerance=0.0):
     magnitude = _finite_delta(delta, active, clip_low).abs()
     seq_scale = _sequence_mean(magnitude, active)
     relative = _safe_divide(magnitude, seq_scale)
     powered = torch.where(active, relative.pow(beta), 0.0)
     flattened = _safe_divide(powered, _sequence_mean(powered, active))
-    return sign_advantage(delta, active) * seq_scale * flattened
+    return sign_advantage(delta, active, tolerance=tolerance) * seq_scale * flattened
 
 
-def sequence_constant_advantage(delta, active, *, clip_low=None):
+def sequence_constant_advantage(delta, active, *, clip_low=None, tolerance=0.0):
     magnitude = _finite_delta(delta, active, clip_low).abs()
-    return sign_advantage(delta, active) * _sequence_mean(magnitude, active)
+    return sign_advantage(delta, active, tolerance=tolerance) * _sequence_mean(magnitude, active)
 
 
-def shuffle_advantage(delta, active, *, clip_low=None, generator=None):
+def shuffle_advantage(delta, active, *, clip_low=None, generator=None, tolerance=0.0):
     magnitude = _finite_delta(delta, active, clip_low).abs()
     seq_scale = _sequence_mean(magnitude, active)
     relative = _safe_divide(magnitude, seq_scale)
@@ -99,13 +100,13 @@ def shuffle_advantage(delta, active, *, clip_low=None, generator=None):
         positions = active[row].nonzero().squeeze(1)
         permutation = torch.randperm(positions.numel(), generator=generator, device="cpu").to(positions.device)
         shuffled[row, positions] = relative[row, positions[permutation]]
-    return sign_advantage(delta, active) * seq_scale * shuffled
+    return sign_advantage(delta, active, tolerance=tolerance) * seq_scale * shuffled
 
 
-def sign_mass_raw_alloc_advantage(delta, active, *, clip_low=None):
+def sign_mass_raw_alloc_advantage(delta, active, *, clip_low=None, tolerance=0.0):
     # Each sign group keeps the total mass Sign gives it (its token count); raw magnitudes allocate it within.
     magnitude = _finite_delta(delta, active, clip_low).abs()
-    sign = sign_advantage(delta, active)
+    sign = sign_advantage(delta, active, tolerance=tolerance)
     group_mean = torch.zeros_like(magnitude)
     for group_sign in (1.0, -1.0):
         in_group = sign == group_sign
@@ -131,8 +132,9 @@ class AdvantageMode:
             the function's default.
         inputs (`tuple[str, ...]`, *optional*):
             What the trainer supplies beyond delta: `"teacher_logps"`, `"old_logps"`, `"reverse_kl"` (the exact per-state
-            reverse KL over the vocabulary, which makes the trainer score both full distributions), `"scale"` (c_k) and
-            `"generator"` (a seeded CPU generator, the same on every pass over a rollout).
+            reverse KL over the vocabulary, which makes the trainer score both full distributions), `"scale"` (c_k),
+            `"generator"` (a seeded CPU generator, the same on every pass over a rollout) and `"tolerance"` (the sign
+            tolerance: a mode that takes it reads delta through sign(delta) and is "sign-based", see `sign_based`).
         ranges (`dict[str, tuple[Callable[[float], bool], str]]`, *optional*):
             A hyperparameter's keyword -> `(is_valid, rule)`: the config refuses a value for which `is_valid` is False,
             quoting `rule` (for example `"> 0"`).
@@ -143,6 +145,12 @@ class AdvantageMode:
     hyperparameters: dict[str, str | None] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()
     ranges: dict[str, tuple[Callable[[float], bool], str]] = field(default_factory=dict)
+
+    @property
+    def sign_based(self) -> bool:
+        """Whether the mode reads delta's direction through sign(delta), so that |delta| at or below the sign tolerance
+        (`TVOPDConfig.sign_tolerance`) is a tie with advantage 0."""
+        return "tolerance" in self.inputs
 
     @property
     def needs_exact_divergence(self) -> bool:
@@ -209,19 +217,36 @@ ADVANTAGE_MODE_REGISTRY: dict[str, AdvantageMode] = {
         ranges={"gamma": (lambda gamma: gamma > 0, "> 0")},
     ),
     "vopd": AdvantageMode(vopd_advantage, "vOPD", _FLOOR, ("reverse_kl",)),
-    "sign": AdvantageMode(sign_advantage, "Sign / Sign-TV"),
-    "tv": AdvantageMode(tv_advantage, "TV-OPD", inputs=("scale",)),
+    "sign": AdvantageMode(sign_advantage, "Sign / Sign-TV", inputs=("tolerance",)),
+    "tv": AdvantageMode(tv_advantage, "TV-OPD", inputs=("scale", "tolerance")),
     "relative_power": AdvantageMode(
         relative_power_advantage,
         "Power(beta) ablation",
         {"beta": "relative_power_beta", **_FLOOR},
+        ("tolerance",),
         ranges={"beta": (lambda beta: 0 <= beta <= 1, "in [0, 1]")},
     ),
-    "sequence_constant": AdvantageMode(sequence_constant_advantage, "Sequence-Constant", _FLOOR),
-    "shuffle": AdvantageMode(shuffle_advantage, "Shuffle", _FLOOR, ("generator",)),
-    "sign_mass_raw_alloc": AdvantageMode(sign_mass_raw_alloc_advantage, "Sign-Mass/Raw-Allocation", _FLOOR),
+    "sequence_constant": AdvantageMode(sequence_constant_advantage, "Sequence-Constant", _FLOOR, ("tolerance",)),
+    "shuffle": AdvantageMode(shuffle_advantage, "Shuffle", _FLOOR, ("generator", "tolerance")),
+    "sign_mass_raw_alloc": AdvantageMode(
+        sign_mass_raw_alloc_advantage, "Sign-Mass/Raw-Allocation", _FLOOR, ("tolerance",)
+    ),
 }
 ADVANTAGE_MODES = tuple(ADVANTAGE_MODE_REGISTRY)
+
+# A self-teacher's default sign tolerance, by the student's compute dtype: above the largest |delta| that two forwards
+# of the same weights put between one token's log-probabilities when only the batch's padding or shape differs
+# (benchmarks/probe_self_teacher_rounding.py, on the trained hint student: 2.7e-5 nats in float32, 0.052 in fp16, 0.26
+# in bf16; docs/method.md, section 13).
+SELF_TEACHER_SIGN_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.1, torch.bfloat16: 0.3}
+
+
+def default_sign_tolerance(self_teacher: bool, compute_dtype: torch.dtype) -> float:
+    """`TVOPDConfig.sign_tolerance` when unset: 0 against another model (the paper's sign), and against the student's
+    own weights the rounding bound of its compute dtype (`SELF_TEACHER_SIGN_TOLERANCE`; float32's for float64)."""
+    if not self_teacher:
+        return 0.0
+    return SELF_TEACHER_SIGN_TOLERANCE.get(compute_dtype, SELF_TEACHER_SIGN_TOLERANCE[torch.float32])
 
 
 def compute_advantages(
@@ -234,6 +259,7 @@ def compute_advantages(
     reverse_kl: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     span_ids: torch.Tensor | None = None,
+    sign_tolerance: float = 0.0,
     **hyperparameters,
 ) -> torch.Tensor:
     """
@@ -260,6 +286,10 @@ def compute_advantages(
             all carry the span's delta: the mode then runs on one entry per span, so that every sequence statistic
             (S, a permutation, a sign group's mass) counts each span once, and each token gets its span's coefficient.
             Only modes with `across_tokenizers` take it.
+        sign_tolerance (`float`, *optional*, defaults to `0.0`):
+            In the sign-based modes (`"sign"`, `"tv"`, `"relative_power"`, `"sequence_constant"`, `"shuffle"`,
+            `"sign_mass_raw_alloc"`), a token with |delta| at or below it is a tie: sign 0, advantage 0. The other
+            modes ignore it. 0 is the paper's sign, sign(0) = 0 only.
         **hyperparameters:
             The modes' hyperparameters by keyword (each entry of [`ADVANTAGE_MODE_REGISTRY`] lists its own); those of
             other modes are ignored:
@@ -280,6 +310,7 @@ def compute_advantages(
         scale=scale,
         reverse_kl=reverse_kl,
         generator=generator,
+        sign_tolerance=sign_tolerance,
         **hyperparameters,
     )
 
@@ -293,6 +324,7 @@ def advantages_from_delta(
     scale: float = 1.0,
     reverse_kl: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    sign_tolerance: float = 0.0,
     **hyperparameters,
 ) -> torch.Tensor:
     """[`compute_advantages`] from a batch's [`~tvopd_trl.delta.TokenDelta`], computed once by the caller (the trainer
@@ -311,6 +343,7 @@ def advantages_from_delta(
         "reverse_kl": None if reverse_kl is None else reverse_kl.detach(),
         "scale": scale,
         "generator": generator,
+        "tolerance": sign_tolerance,
     }
     # An unset hyperparameter is left out, so that the function's default holds
     keywords = {name: inputs[name] for name in spec.inputs}

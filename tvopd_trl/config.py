@@ -13,6 +13,7 @@
 # limitations under the License.
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -67,6 +68,15 @@ class TVOPDConfig(DistillationConfig):
             Hyperparameters of the advantage mode that have no field of their own (see
             [`~tvopd_trl.advantages.AdvantageMode`]), by keyword, as a dict or a JSON string; unset ones keep the
             mode's defaults. A key the mode does not take is an error. None of the paper's modes needs it.
+        sign_tolerance (`float`, *optional*):
+            In the sign-based modes (`sign`, `tv`, `relative_power`, `sequence_constant`, `shuffle`,
+            `sign_mass_raw_alloc`), a token with |delta| at or below it is a tie: advantage 0, however the two forwards
+            rounded it. `None` picks it from the teacher: `0` with a teacher model or server (the paper's sign, which
+            zeroes delta = 0 only), and with `self_distillation` a bound on the rounding of two forwards of the same
+            weights in the student's compute dtype (`tvopd_trl.advantages.SELF_TEACHER_SIGN_TOLERANCE`: 1e-3 nats in
+            float32, 0.1 in fp16, 0.3 in bf16; measured in docs/method.md, section 13). The share of tokens it zeroes is
+            logged as `advantage/tie_fraction`. The TV estimate and every `advantage/*` statistic of |delta| read the
+            unrounded delta.
 
         > Parameters that control the TV-EMA scheduler (`advantage_mode="tv"`)
 
@@ -322,6 +332,13 @@ class TVOPDConfig(DistillationConfig):
         default=None,
         metadata={"help": "Hyperparameters of the advantage mode without a field of their own, as a JSON object."},
     )
+    sign_tolerance: float | None = field(
+        default=None,
+        metadata={
+            "help": "|delta| at or below it is a tie (advantage 0) in the sign-based modes; by default 0 with a "
+            "teacher model and the forwards' rounding with self_distillation."
+        },
+    )
 
     # Parameters that control the TV-EMA scheduler
     tv_alpha: float = field(default=0.5, metadata={"help": "TV-OPD attenuation exponent alpha (>= 0)."})
@@ -574,6 +591,16 @@ class TVOPDConfig(DistillationConfig):
             raise ValueError(
                 f"self_distillation={self.self_distillation!r} makes the student its own teacher: remove "
                 "teacher_model_name_or_path and teacher_model_server_url, or set self_distillation to None."
+            )
+        if self.self_distillation is not None and self.teacher_model_init_kwargs is not None:
+            raise ValueError(
+                f"self_distillation={self.self_distillation!r} loads the student's own weights as the teacher, as the "
+                "student loads (model_init_kwargs): remove teacher_model_init_kwargs."
+            )
+        if self.sign_tolerance is not None and not 0 <= self.sign_tolerance < math.inf:
+            raise ValueError(
+                f"sign_tolerance must be a finite number >= 0, got {self.sign_tolerance}: 0 keeps the paper's sign, None "
+                "picks it from the teacher."
             )
         if self.tv_scale_target not in ("advantage", "learning_rate"):
             raise ValueError(f"tv_scale_target must be 'advantage' or 'learning_rate', got {self.tv_scale_target!r}.")

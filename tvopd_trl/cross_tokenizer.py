@@ -322,10 +322,10 @@ class TokenizerAlignment:
         # must not end the teacher's turn
         return tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
-    def teacher_prompt_ids(self, prompt) -> list[int]:
-        """The teacher's prompt: a conversation rendered with the teacher's chat template (which holds its BOS), or a
-        plain-text prompt tokenized as TRL tokenizes the student's."""
-        return render_prompt_ids(self.teacher, prompt)
+    def teacher_prompt_ids(self, prompt, **chat_template_kwargs) -> list[int]:
+        """The teacher's prompt: a conversation rendered with the teacher's chat template (which holds its BOS) and
+        `chat_template_kwargs`, or a plain-text prompt tokenized as TRL tokenizes the student's."""
+        return render_prompt_ids(self.teacher, prompt, **chat_template_kwargs)
 
     def align(self, completions: list[list[int]]) -> list[AlignedRow]:
         """Aligns each completion (the student's sampled ids, padding removed) with the teacher."""

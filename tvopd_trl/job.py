@@ -255,7 +255,7 @@ def apply_model_config(model_args, training_args):
         student["revision"] = model_args.model_revision
     if student:
         training_args.model_init_kwargs = {**student, **(training_args.model_init_kwargs or {})}
-    if shared:
+    if shared and training_args.self_distillation is None:  # a self-teacher loads as the student
         training_args.teacher_model_init_kwargs = {**shared, **(training_args.teacher_model_init_kwargs or {})}
     return {"peft_config": get_peft_config(model_args), "quantization_config": get_quantization_config(model_args)}
 

@@ -98,10 +98,12 @@ class StepStatistics:
         teachers=None,
         terms=None,
         counted=True,
+        sign_tolerance=None,
     ):
         """Adds one micro-batch: `(B, T)` tensors, `epsilon` = (low, high) PPO clip ranges, `log_gap` = log pi_old -
         log pi_vllm under vLLM, `teachers` = {name: `(B,)` mask of its rows} with several teachers, `terms` = the
-        advantage's (distillation, reward) terms with a task reward. `counted=False` adds no token: under sequence
+        advantage's (distillation, reward) terms with a task reward, `sign_tolerance` = the tolerance of a sign-based
+        mode (its ties are counted). `counted=False` adds no token: under sequence
         parallelism, every process of a group holds its whole rows, and the group's first process counts them."""
         if not counted:
             active, loss_mask = torch.zeros_like(active), torch.zeros_like(loss_mask)
@@ -117,6 +119,8 @@ class StepStatistics:
             "loss": torch.where(active, per_token_loss.detach(), 0.0).sum(),
             "entropy": torch.where(active, entropy, 0.0).sum(),
         }
+        if sign_tolerance is not None:
+            sums["tied"] = (active & (delta != 0) & (delta.abs() <= sign_tolerance)).sum()
         if terms is not None:
             sums["abs_distill"] = torch.where(active, terms[0].abs(), 0.0).sum()
             sums["abs_reward"] = torch.where(active, terms[1].abs(), 0.0).sum()
@@ -158,6 +162,9 @@ class StepStatistics:
         # How far the teacher sits from the student per token: with self-distillation, what the privileged context moves
         metrics["advantage/abs_mean"].append(ratio(sums["abs_delta"]))
         metrics["advantage/positive_fraction"].append(ratio(sums["positive_delta"]))
+        if "tied" in sums:
+            # The tokens the sign tolerance turned from +-1 into 0
+            metrics["advantage/tie_fraction"].append(ratio(sums["tied"]))
         metrics["tv/nonfinite_tokens"].append(sums["nonfinite"])
         metrics["policy_loss"].append(ratio(sums["loss"]))
         metrics["entropy"].append(ratio(sums["entropy"]))

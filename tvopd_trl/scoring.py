@@ -114,6 +114,8 @@ class CompletionScoringMixin:
                     if name not in batch:
                         batch[name] = score.new_full(batch["completion_ids"].shape, math.nan)
                     batch[name][rows[:real]] = score[:real]
+        if any(teacher.live for teacher in self.teachers.values()):
+            self._mark_self_scored(batch)
         if self.alignments:
             # Every process holds `span_ids`, whichever teachers its rows went to
             batch.setdefault("span_ids", token_spans(batch["loss_mask"]))
@@ -123,6 +125,18 @@ class CompletionScoringMixin:
         if old_logps:
             self.add_old_logps(batch)
         return batch
+
+    @staticmethod
+    def _mark_self_scored(batch):
+        """Marks the rows that the live self-teacher scores after the student's own prompt (no teacher prompt of their
+        own) in `self_scored` (`(B,)`): the same weights on the same tokens, so their teacher log-probabilities are
+        pi_old's, which the loss puts in (`TVOPDTrainer.compute_loss`), and their exact divergences are 0."""
+        rows = batch["completion_ids"].size(0)
+        own = batch["teacher_prompt_mask"].any(dim=1) if "teacher_prompt_mask" in batch else torch.zeros(rows)
+        batch["self_scored"] = (~own.bool()).long()  # integers: gathered over processes, which gloo does for them
+        for name in ("reverse_kl", "exact_tv"):
+            if name in batch:
+                batch[name] = batch[name].masked_fill(batch["self_scored"].bool().unsqueeze(1), 0.0)
 
     def add_old_logps(self, batch):
         """Adds `old_logps` to a scored batch (see `score_completions`), and aligns a cross-tokenizer teacher's

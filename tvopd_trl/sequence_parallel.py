@@ -25,11 +25,13 @@ whole rows of which only its shard carries a gradient.
 """
 
 import contextlib
+import importlib.metadata
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from packaging import version
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .packing import check_predicted
@@ -45,6 +47,18 @@ _PADDING_VALUE = {"span_ids": -1}
 def sequence_parallel_size(accelerator) -> int:
     config = getattr(accelerator, "parallelism_config", None)
     return 1 if config is None else config.sp_size
+
+
+# The first DeepSpeed release whose ZeRO-3 sums gradients over an SP group instead of averaging them over the world
+ZERO3_SUMS_OVER_SP_GROUP = "0.20.2"
+
+
+def zero3_averages_over_sp_group(accelerator) -> bool:
+    """Whether the run's DeepSpeed engine is ZeRO-3 of a version that averages the SP group's gradients (as transformers'
+    own Ulysses loss, `deepspeed_sp_compute_loss`, gates its rescale)."""
+    if accelerator.state.deepspeed_plugin.zero_stage != 3:
+        return False
+    return version.parse(importlib.metadata.version("deepspeed")) < version.parse(ZERO3_SUMS_OVER_SP_GROUP)
 
 
 def check_sequence_parallel(trainer, student):
@@ -101,6 +115,17 @@ def check_sequence_parallel(trainer, student):
             "max_tokens_per_micro_batch varies the rows of a forward, but Ulysses is built for "
             "per_device_train_batch_size rows per forward: unset it with sp_size > 1."
         )
+    zero = accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
+    if zero3_averages_over_sp_group(accelerator) and not zero.get("reduce_scatter", True):
+        # With `contiguous_gradients`, parameters of one layer take different reduction paths, some averaged and some
+        # not (transformers' finding; its Trainer refuses it too); without, every update is 1/sp_size (measured), which
+        # the loss's scale corrects
+        if zero.get("contiguous_gradients", True):
+            raise ValueError(
+                f"ZeRO-3 with reduce_scatter: false and contiguous_gradients: true scales some gradients of an SP "
+                f"group by 1/sp_size and not others on deepspeed<{ZERO3_SUMS_OVER_SP_GROUP}: set reduce_scatter: true "
+                f"(the default), or contiguous_gradients: false, or upgrade to deepspeed>={ZERO3_SUMS_OVER_SP_GROUP}."
+            )
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.steps_per_generation
     if rows % size:
         raise ValueError(
@@ -320,9 +345,9 @@ class SequenceParallelMixin:
         return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
 
     def _gradient_scale(self):
-        # ZeRO-3 averages gradients over the whole world (reduce-scatter), ZeRO-0/1/2 sum them over each SP group and
-        # average over data-parallel replicas (docs/scaling.md): the loss's gradient is scaled to meet the first rule.
+        # Before DeepSpeed 0.20.2, ZeRO-3 averages gradients over the whole world, with or without `reduce_scatter`;
+        # ZeRO-0/1/2, and ZeRO-3 from 0.20.2 on (deepspeedai/DeepSpeed#8854), sum them over each SP group and average
+        # over data-parallel replicas (docs/scaling.md): the loss's gradient is scaled to meet the second rule.
         if self._sp_size == 1 or not self.model.training:
             return 1
-        zero = self.accelerator.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {})
-        return self._sp_size if zero.get("stage") == 3 and zero.get("reduce_scatter", True) else 1
+        return self._sp_size if zero3_averages_over_sp_group(self.accelerator) else 1

@@ -16,8 +16,10 @@
 A dataset row may carry a `teacher_prompt` beside its `prompt`: text or a conversation, like `prompt`, which the
 teachers see instead of the student's prompt (privileged context: a reference solution, a hint, a system prompt the
 deployed model will not have). The student samples after `prompt`; every teacher scores the same completion after
-`teacher_prompt`, rendered with its own chat template. A missing, `None` or empty `teacher_prompt` is the student's
-prompt (docs/self-distillation.md).
+`teacher_prompt`, rendered as the student's prompt is (TRL's `_tokenize_prompts`: the training chat template, tools and
+`chat_template_kwargs`), or, for a teacher with another tokenizer, by that tokenizer's own chat template. A missing,
+`None` or empty `teacher_prompt`, or one that renders to the student's prompt, is the student's prompt
+(docs/self-distillation.md).
 
 [`teacher_prompt_batch`] renders them into the batch's `teacher_prompt_ids` / `teacher_prompt_mask`, which a teacher
 with another tokenizer scores after too (`tvopd_trl.cross_tokenizer`); [`teacher_inputs`] gives a teacher of the
@@ -28,7 +30,6 @@ import copy
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import PreTrainedTokenizerBase
 from trl import DistillationTrainer
 
 from .prompts import is_message
@@ -69,7 +70,8 @@ def has_teacher_prompts(rows) -> bool:
 
 def render_prompt_ids(tokenizer, prompt, **chat_template_kwargs) -> list[int]:
     """`prompt` rendered by `tokenizer` as TRL renders the student's: a conversation through its chat template with the
-    generation prompt (which holds its BOS), text tokenized as it is."""
+    generation prompt (which holds its BOS) and `chat_template_kwargs` (`tools` among them), text tokenized as it
+    is."""
     if isinstance(prompt, str):
         return tokenizer(text=prompt)["input_ids"]
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **chat_template_kwargs)
@@ -88,31 +90,32 @@ def teacher_context(teacher, accelerator):
     return teacher.context or None
 
 
-def teacher_prompt_batch(trainer, rows, names, device) -> dict[str, torch.Tensor]:
+def teacher_prompt_batch(trainer, rows, names, prompt_ids, prompt_mask) -> dict[str, torch.Tensor]:
     """
-    `teacher_prompt_ids` / `teacher_prompt_mask` (`(B, P')`, left-padded, on `device`) of dataset `rows` whose
-    teachers are `names`:
+    `teacher_prompt_ids` / `teacher_prompt_mask` (`(B, P')`, left-padded, on the device of the student's `prompt_ids`
+    / `prompt_mask`) of dataset `rows` whose teachers are `names`:
     - for a teacher with another tokenizer (`trainer.alignments`), the row's teacher prompt (or its prompt) rendered by
-      that tokenizer;
-    - for a teacher of the student's tokenizer, its teacher prompt rendered by the teacher's own tokenizer where the
-      trainer was given one (`trainer.teacher_tokenizers`), else by the student's as TRL renders its prompts; empty
-      where the row has no teacher prompt: the teacher then scores after the student's prompt (`teacher_inputs`).
+      that tokenizer with its own chat template, and the run's tools and `chat_template_kwargs`;
+    - for a teacher of the student's tokenizer, its teacher prompt rendered exactly as TRL renders the student's
+      prompts (the training chat template, tools and `chat_template_kwargs`): the teacher scores the student's ids;
+      empty where the row has no teacher prompt, or one that renders to the student's prompt: the teacher then scores
+      after the student's prompt itself (`teacher_inputs`).
 
     Raises a `ValueError` naming the fix for a teacher prompt that leaves the teacher's context no room for
     `max_completion_length` tokens.
     """
     ids = []
-    for row, name in zip(rows, names, strict=True):
+    for row, name, student, student_mask in zip(rows, names, prompt_ids, prompt_mask, strict=True):
         prompt = own_teacher_prompt(row)
         alignment = trainer.alignments.get(name)
         if alignment is not None:
-            ids.append(alignment.teacher_prompt_ids(row["prompt"] if prompt is None else prompt))
+            kwargs = {"tools": trainer.tools or None, **trainer.chat_template_kwargs}
+            ids.append(alignment.teacher_prompt_ids(row["prompt"] if prompt is None else prompt, **kwargs))
         elif prompt is None:
             ids.append([])
-        elif isinstance(trainer.teacher_tokenizers.get(name), PreTrainedTokenizerBase):
-            ids.append(render_prompt_ids(trainer.teacher_tokenizers[name], prompt))
-        else:  # the student's tokenizer and chat template, tools and template arguments as TRL renders its prompts
-            ids.append(DistillationTrainer._tokenize_prompts(trainer, [copy.deepcopy(prompt)])[0][0])
+        else:
+            own = DistillationTrainer._tokenize_prompts(trainer, [copy.deepcopy(prompt)])[0][0]
+            ids.append([] if own == student[student_mask.bool()].tolist() else list(own))
         context = teacher_context(trainer.teachers[name], trainer.accelerator)
         completion = trainer.args.max_completion_length
         if prompt is not None and context is not None and len(ids[-1]) + completion > context:
@@ -123,10 +126,10 @@ def teacher_prompt_batch(trainer, rows, names, device) -> dict[str, torch.Tensor
             )
     ids = [torch.tensor(row, dtype=torch.long) for row in ids]
     return {
-        "teacher_prompt_ids": pad_sequence(ids, batch_first=True, padding_side="left").to(device),
+        "teacher_prompt_ids": pad_sequence(ids, batch_first=True, padding_side="left").to(prompt_ids.device),
         "teacher_prompt_mask": pad_sequence(
             [torch.ones_like(row) for row in ids], batch_first=True, padding_side="left"
-        ).to(device),
+        ).to(prompt_ids.device),
     }
 
 

@@ -201,11 +201,18 @@ def prepare_teacher(trainer, name: str, teacher: str | PreTrainedModel, vocabula
     scores (the student's by default; its own with another tokenizer)."""
     args, accelerator = trainer.args, trainer.accelerator
     if isinstance(teacher, str):
-        kwargs = dict(args.teacher_model_init_kwargs or {})
-        dtype = kwargs.get("dtype")
-        kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
-        if args.teacher_model_revision is not None:
-            kwargs.setdefault("revision", args.teacher_model_revision)
+        if args.self_distillation == "frozen":
+            # The student's checkpoint again, loaded exactly as TRL loaded the student: its dtype, attention,
+            # revision and quantization, so that the frozen teacher is the student at step 0
+            kwargs = dict(args.model_init_kwargs or {})
+            if trainer.student_quantization_config is not None:
+                kwargs["quantization_config"] = trainer.student_quantization_config
+        else:
+            kwargs = dict(args.teacher_model_init_kwargs or {})
+            dtype = kwargs.get("dtype")
+            kwargs["dtype"] = dtype if dtype in ("auto", None) else getattr(torch, dtype)
+            if args.teacher_model_revision is not None:
+                kwargs.setdefault("revision", args.teacher_model_revision)
         if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
             kwargs["device_map"] = None  # as TRL: "auto" fails under distributed training
         kwargs.setdefault("trust_remote_code", args.trust_remote_code)

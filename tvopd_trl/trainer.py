@@ -23,7 +23,7 @@ from trl import DistillationTrainer
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import pad
 
-from .advantages import ADVANTAGE_MODE_REGISTRY, advantages_from_delta
+from .advantages import ADVANTAGE_MODE_REGISTRY, advantages_from_delta, default_sign_tolerance
 from .async_rollouts import AsyncRolloutMixin, bound_request_time
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import RolloutCheckpointMixin
@@ -223,6 +223,7 @@ class TVOPDTrainer(
                 tools=tools,
             )
         self.dataset_name = None  # the prompts' dataset id, for the model card (the main job sets it)
+        self.student_quantization_config = quantization_config  # a frozen self-teacher loads as the student did
         # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
         self.teachers = local_teachers_of(self, local_teachers, teacher_tokenizers)
         self.teacher_tokenizers = teacher_tokenizers  # the teacher prompts' rendering (`tvopd_trl.teacher_prompts`)
@@ -233,6 +234,10 @@ class TVOPDTrainer(
         self.reward_funcs, self.reward_func_names = reward_funcs, reward_func_names
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
+        # |delta| at or below it is a tie in the sign-based modes (`args.sign_tolerance`)
+        self.sign_tolerance = args.sign_tolerance
+        if self.sign_tolerance is None:
+            self.sign_tolerance = default_sign_tolerance(args.self_distillation is not None, self._compute_dtype)
         # name -> TokenizerAlignment of each teacher with another tokenizer (`cross_tokenizer`)
         self.alignments = check_loaded_trainer(self, teacher_tokenizers, shared_vocabulary)
 
@@ -416,7 +421,7 @@ class TVOPDTrainer(
         if self.alignments or has_teacher_prompts(prompts):
             routing = output.get("teacher_index", torch.zeros(len(prompts), dtype=torch.long)).tolist()
             names = [list(self.teachers)[index] for index in routing]
-            output.update(teacher_prompt_batch(self, prompts, names, device))
+            output.update(teacher_prompt_batch(self, prompts, names, output["prompt_ids"], output["prompt_mask"]))
         if self.use_vllm:
             # A log-probability the sampler failed to give (TRL's `extract_logprobs` turns NaN into None) is missing:
             # NaN here, and the loss drops the token.
@@ -438,6 +443,15 @@ class TVOPDTrainer(
         """Adds `value` to the metrics of the step being logged, averaged over the logging window like the trainer's
         own (`BenchmarkEvalCallback` records its scores this way)."""
         self._metrics[mode][name].append(float(value))
+
+    @property
+    def _compute_dtype(self):
+        """The dtype the student's forwards compute in: autocast's with `bf16`/`fp16`, else its weights'."""
+        if self.args.bf16:
+            return torch.bfloat16
+        if self.args.fp16:
+            return torch.float16
+        return self.accelerator.unwrap_model(self.model).dtype
 
     @property
     def _needs_exact_divergences(self):
@@ -485,6 +499,11 @@ class TVOPDTrainer(
             old_logps = logps.detach()
             if span_ids is not None:
                 inputs = {**inputs, "teacher_logps": align_teacher_logps(inputs["teacher_logps"], old_logps, span_ids)}
+        if "self_scored" in inputs:
+            # The live self-teacher after the student's own prompt is pi_old itself: its score is pi_old's, exactly,
+            # not a second forward's rounding of it (padded to the teacher prompts, or whole rows under SP)
+            self_scored = inputs["self_scored"].bool().unsqueeze(1)
+            inputs = {**inputs, "teacher_logps": torch.where(self_scored, old_logps, inputs["teacher_logps"])}
         rollout_delta = self._rollout_delta(inputs, old_logps)
         delta = rollout_delta.where(torch.isfinite(logps).detach())  # the loss's tokens
         active = delta.active
@@ -504,6 +523,7 @@ class TVOPDTrainer(
             scale=scale if args.tv_scale_target == "advantage" else 1.0,
             reverse_kl=inputs.get("reverse_kl"),
             generator=self._shuffle_generator() if "generator" in spec.inputs else None,
+            sign_tolerance=self.sign_tolerance,
             **spec.config_kwargs(args),
         )
         if args.distillation_coef != 1.0:
@@ -560,6 +580,7 @@ class TVOPDTrainer(
                 per_token_loss=per_token_loss,
                 entropy=entropy,
                 epsilon=(args.epsilon, args.epsilon_high),
+                sign_tolerance=self.sign_tolerance if spec.sign_based else None,
                 log_gap=log_gap if sampled_by_vllm else None,
                 teachers=None if routing is None else {name: routing == k for k, name in enumerate(self.teachers)},
                 terms=None if reward_term is None else (distill_term, reward_term),
