@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from tvopd_trl import TVOPDConfig
-from tvopd_trl.advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES, LOG_FLOAT32_TINY, compute_advantages
+from tvopd_trl.advantages import (
+    ADVANTAGE_MODE_REGISTRY,
+    ADVANTAGE_MODES,
+    LOG_FLOAT32_TINY,
+    compute_advantages,
+    default_sign_tolerance,
+)
 
 
 INF = math.inf
@@ -555,3 +561,70 @@ def test_a_new_mode_is_one_registry_entry(damped_sign_mode, make_trainer, tmp_pa
     damped, sign = one_step("damped_sign", advantage_kwargs={"damping": 0.25}), one_step("sign")
     assert sign.abs().max() > 0
     torch.testing.assert_close(damped, 0.25 * sign, rtol=1e-4, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The sign tolerance: |delta| at or below it is a tie, read as delta = 0 by the sign-based modes
+# --------------------------------------------------------------------------------------------------------------------
+
+SIGN_BASED = ["sign", "tv", "relative_power", "sequence_constant", "shuffle", "sign_mass_raw_alloc"]
+TOLERANCE = 2.0**-10
+
+
+def rounding_batch():
+    """B = 2, T = 6: deltas of rounding size (2^-20), at the tolerance (2^-10, a tie: "at or below"), above it and
+    large, of both signs; one padded token. Dyadic, so float32 holds every delta exactly."""
+    delta = torch.tensor(
+        [
+            [2.0**-20, -(2.0**-20), TOLERANCE, -TOLERANCE, 0.5, -1.5],
+            [2.0**-9, -(2.0**-20), 0.25, -0.75, 2.0**-20, 3.0],
+        ]
+    )
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -4.0, -0.25], [-0.5, -1.5, -1.0, -2.5, -0.75, -2.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
+    return old + delta, old, mask, torch.full((2, 6), 0.5)
+
+
+def test_the_sign_based_modes_are_the_ones_that_read_the_sign():
+    assert [mode for mode, spec in ADVANTAGE_MODE_REGISTRY.items() if spec.sign_based] == SIGN_BASED
+
+
+@pytest.mark.parametrize("mode", ADVANTAGE_MODES)
+def test_a_sign_based_mode_reads_a_tie_as_delta_0_and_the_others_ignore_the_tolerance(mode):
+    teacher, old, mask, reverse_kl = rounding_batch()
+    delta = teacher - old
+    tied = (delta.abs() <= TOLERANCE) & mask.bool()
+    assert tied.tolist() == [[True, True, True, True, False, False], [False, True, False, False, True, False]]
+    with_tolerance = advantages(mode, teacher, old, mask, reverse_kl, sign_tolerance=TOLERANCE)
+    if mode in SIGN_BASED:
+        # Exactly the mode on the same batch with the ties' teacher log-probabilities set to pi_old's
+        expected = advantages(mode, torch.where(tied, old, teacher), old, mask, reverse_kl)
+        assert (with_tolerance[tied] == 0).all()
+        if mode != "shuffle":  # which permutes a tie's magnitude 0 onto another token
+            assert (with_tolerance[mask.bool() & ~tied] != 0).all()
+    else:
+        expected = advantages(mode, teacher, old, mask, reverse_kl)
+    assert torch.equal(with_tolerance, expected)
+
+
+def test_tv_advantages_with_and_without_the_tolerance_by_hand():
+    teacher, old, mask, _ = rounding_batch()
+    c = torch.tensor(SCALE)
+    expected = torch.tensor([[0, 0, 0, 0, 1, -1], [1, 0, 1, -1, 0, 0]]) * c
+    assert torch.equal(advantages("tv", teacher, old, mask, sign_tolerance=TOLERANCE), expected)
+    # Tolerance 0 (the default): the paper's sign, which gives rounding noise a full-size advantage
+    expected = torch.tensor([[1, -1, 1, -1, 1, -1], [1, -1, 1, -1, 1, 0]]) * c
+    assert torch.equal(advantages("tv", teacher, old, mask), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_default_tolerance_is_0_against_another_model_and_the_rounding_bound_against_itself(dtype):
+    assert default_sign_tolerance(False, dtype) == 0.0
+    bound = {torch.float32: 1e-3, torch.bfloat16: 0.3, torch.float16: 0.1, torch.float64: 1e-3}[dtype]
+    assert default_sign_tolerance(True, dtype) == bound
+
+
+@pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan])
+def test_a_negative_or_non_finite_sign_tolerance_is_refused(value):
+    with pytest.raises(ValueError, match="sign_tolerance must be a finite number >= 0"):
+        TVOPDConfig(output_dir="unused", sign_tolerance=value, use_cpu=True, bf16=False, report_to="none")

@@ -3,8 +3,9 @@ teacher scores a completion after, checked against forwards by hand; the errors;
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import tvopd_trl.trainer
 from tvopd_trl import TVOPDTrainer
 from tvopd_trl.teacher_prompts import own_teacher_prompt
 from tvopd_trl.testing import tiny_config
@@ -207,3 +208,107 @@ def test_padding_free_scores_after_the_teacher_prompts_as_padded(make_trainer, t
     mask = batch["completion_mask"].bool()
     for key in ("teacher_logps", "reverse_kl", "exact_tv"):
         torch.testing.assert_close(scored[1][key][mask], scored[0][key][mask], atol=1e-5, rtol=0)
+
+
+def recording_advantages(monkeypatch):
+    """The advantages every `compute_loss` computes, appended to the returned list."""
+    recorded, original = [], tvopd_trl.trainer.advantages_from_delta
+
+    def record(*args, **kwargs):
+        recorded.append(original(*args, **kwargs))
+        return recorded[-1]
+
+    monkeypatch.setattr(tvopd_trl.trainer, "advantages_from_delta", record)
+    return recorded
+
+
+@pytest.mark.parametrize("mode", ["tv", "raw"])
+def test_a_live_self_teacher_gives_rows_without_a_teacher_prompt_advantage_0_and_no_gradient(
+    mode, make_trainer, monkeypatch, tmp_path
+):
+    # Hinted and unhinted rows in one batch: the teacher's batch is padded to the hinted prompts, whose forward of the
+    # same weights rounds the unhinted rows' log-probabilities otherwise (1e-6 apart, a full +-c_k each under tv)
+    trainer = make_trainer(
+        tiny_config(tmp_path, self_distillation="live", advantage_mode=mode, max_completion_length=16),
+        teacher_model=None,
+        train_dataset=hinted(16, every=2),
+    )
+    assert trainer.sign_tolerance == 1e-3  # the float32 self-teacher's default
+    trainer.sign_tolerance = 0.0  # the paper's sign: only an exact 0 is a tie
+    rows = [trainer.train_dataset[i] for i in range(16)]
+    batch = trainer.score_completions(trainer.generate_completions(rows))
+    unhinted = torch.arange(16) % 2 == 1
+    assert batch["self_scored"].bool().tolist() == unhinted.tolist()
+    recorded = recording_advantages(monkeypatch)
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, dict(batch))
+    active = batch["completion_mask"].bool()
+    assert (recorded[0][unhinted] == 0).all()
+    assert (recorded[0][~unhinted][active[~unhinted]] != 0).any()
+    # The unhinted rows alone: loss 0 and no gradient at all
+    rows_only = {key: value[unhinted] for key, value in batch.items() if value.dim() > 0}
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, rows_only)
+    loss.backward()
+    assert loss.item() == 0
+    assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
+
+
+QWEN3_LIKE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("teacher", ["self-live", "path"])
+def test_a_teacher_prompt_is_rendered_as_the_student_s_prompt(teacher, make_trainer, model_dirs, tmp_path):
+    # A template whose generation prompt depends on `chat_template_kwargs` (Qwen3's empty think block)
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["student"], padding_side="left")
+    tokenizer.chat_template = QWEN3_LIKE
+    dataset = prompt_dataset("opd", 8)
+    teacher_prompts = [row["prompt"] if i % 2 else [{"role": "system", "content": "hint"}, *row["prompt"]]
+                       for i, row in enumerate(dataset)]
+    dataset = dataset.add_column("teacher_prompt", teacher_prompts)
+    overrides = {"self_distillation": "live"} if teacher == "self-live" else {}
+    args = tiny_config(tmp_path, chat_template_kwargs={"enable_thinking": False}, **overrides)
+    kwargs = {"teacher_model": None} if teacher == "self-live" else {}
+    trainer = make_trainer(args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
+    if teacher == "path":  # its own tokenizer, loaded from its folder, has the plain template: not used
+        assert trainer.teacher_tokenizers["teacher"].chat_template != QWEN3_LIKE
+    rows = [dataset[i] for i in range(8)]
+    batch = trainer.score_completions(trainer.generate_completions(rows), old_logps=True)
+    for index, row in enumerate(rows):
+        own = batch["teacher_prompt_ids"][index][batch["teacher_prompt_mask"][index].bool()].tolist()
+        if index % 2:  # the student's own prompt: none of its own, the teacher scores after the student's
+            assert own == []
+        else:
+            expected = tokenizer.apply_chat_template(
+                row["teacher_prompt"], add_generation_prompt=True, enable_thinking=False, return_dict=False
+            )
+            assert own == expected and tokenizer.decode(own).endswith("<think>\n\n</think>\n\n")
+    if teacher == "self-live":
+        # A teacher prompt that renders to the student's prompt is none: the same model after the same ids, up to the
+        # rounding of the teacher batch's padding (which the loss replaces by pi_old itself), where the think block
+        # dropped from one side made 7 nats
+        unhinted = torch.arange(8) % 2 == 1
+        assert batch["self_scored"].bool().tolist() == unhinted.tolist()
+        real = batch["completion_mask"].bool() & unhinted.unsqueeze(1)
+        assert (batch["teacher_logps"] - batch["old_logps"])[real].abs().max() < 1e-4
+
+
+def test_a_frozen_self_teacher_from_a_path_loads_as_the_student(make_trainer, tmp_path):
+    args = tiny_config(tmp_path, self_distillation="frozen", model_init_kwargs={"dtype": "bfloat16"})
+    trainer = make_trainer(args, teacher_model=None)
+    teacher = trainer.teachers["teacher"].model
+    assert next(teacher.parameters()).dtype == next(trainer.model.parameters()).dtype == torch.bfloat16
+    rows = [trainer.train_dataset[i] for i in range(8)]
+    batch = trainer.score_completions(trainer.generate_completions(rows), old_logps=True)
+    real = batch["completion_mask"].bool()
+    # The student at step 0 after the same prompt: the same numbers, before any update
+    assert torch.equal(batch["teacher_logps"][real], batch["old_logps"][real])
+
+
+def test_teacher_model_init_kwargs_beside_self_distillation_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="remove teacher_model_init_kwargs"):
+        tiny_config(tmp_path, self_distillation="frozen", teacher_model_init_kwargs={"dtype": "bfloat16"})

@@ -68,30 +68,29 @@ def vopd_advantage(delta, active, *, reverse_kl, clip_low=None):
     return torch.where(active, _finite_delta(delta, active, clip_low) + reverse_kl.float(), 0.0)
 
 
-def sign_advantage(delta, active, *, tolerance=0.0):
-    # A tie (|delta| <= tolerance, see `sign_tolerance`) has no direction: sign 0, however the forwards rounded it
-    return torch.where(active & (delta.abs() > tolerance), torch.sign(delta), 0.0)
+def sign_advantage(delta, active):
+    return torch.where(active, torch.sign(delta), 0.0)
 
 
-def tv_advantage(delta, active, *, scale, tolerance=0.0):
-    return scale * sign_advantage(delta, active, tolerance=tolerance)
+def tv_advantage(delta, active, *, scale):
+    return scale * sign_advantage(delta, active)
 
 
-def relative_power_advantage(delta, active, *, beta, clip_low=None, tolerance=0.0):
+def relative_power_advantage(delta, active, *, beta, clip_low=None):
     magnitude = _finite_delta(delta, active, clip_low).abs()
     seq_scale = _sequence_mean(magnitude, active)
     relative = _safe_divide(magnitude, seq_scale)
     powered = torch.where(active, relative.pow(beta), 0.0)
     flattened = _safe_divide(powered, _sequence_mean(powered, active))
-    return sign_advantage(delta, active, tolerance=tolerance) * seq_scale * flattened
+    return sign_advantage(delta, active) * seq_scale * flattened
 
 
-def sequence_constant_advantage(delta, active, *, clip_low=None, tolerance=0.0):
+def sequence_constant_advantage(delta, active, *, clip_low=None):
     magnitude = _finite_delta(delta, active, clip_low).abs()
-    return sign_advantage(delta, active, tolerance=tolerance) * _sequence_mean(magnitude, active)
+    return sign_advantage(delta, active) * _sequence_mean(magnitude, active)
 
 
-def shuffle_advantage(delta, active, *, clip_low=None, generator=None, tolerance=0.0):
+def shuffle_advantage(delta, active, *, clip_low=None, generator=None):
     magnitude = _finite_delta(delta, active, clip_low).abs()
     seq_scale = _sequence_mean(magnitude, active)
     relative = _safe_divide(magnitude, seq_scale)
@@ -100,13 +99,13 @@ def shuffle_advantage(delta, active, *, clip_low=None, generator=None, tolerance
         positions = active[row].nonzero().squeeze(1)
         permutation = torch.randperm(positions.numel(), generator=generator, device="cpu").to(positions.device)
         shuffled[row, positions] = relative[row, positions[permutation]]
-    return sign_advantage(delta, active, tolerance=tolerance) * seq_scale * shuffled
+    return sign_advantage(delta, active) * seq_scale * shuffled
 
 
-def sign_mass_raw_alloc_advantage(delta, active, *, clip_low=None, tolerance=0.0):
+def sign_mass_raw_alloc_advantage(delta, active, *, clip_low=None):
     # Each sign group keeps the total mass Sign gives it (its token count); raw magnitudes allocate it within.
     magnitude = _finite_delta(delta, active, clip_low).abs()
-    sign = sign_advantage(delta, active, tolerance=tolerance)
+    sign = sign_advantage(delta, active)
     group_mean = torch.zeros_like(magnitude)
     for group_sign in (1.0, -1.0):
         in_group = sign == group_sign
@@ -132,12 +131,14 @@ class AdvantageMode:
             the function's default.
         inputs (`tuple[str, ...]`, *optional*):
             What the trainer supplies beyond delta: `"teacher_logps"`, `"old_logps"`, `"reverse_kl"` (the exact per-state
-            reverse KL over the vocabulary, which makes the trainer score both full distributions), `"scale"` (c_k),
-            `"generator"` (a seeded CPU generator, the same on every pass over a rollout) and `"tolerance"` (the sign
-            tolerance: a mode that takes it reads delta through sign(delta) and is "sign-based", see `sign_based`).
+            reverse KL over the vocabulary, which makes the trainer score both full distributions), `"scale"` (c_k) and
+            `"generator"` (a seeded CPU generator, the same on every pass over a rollout).
         ranges (`dict[str, tuple[Callable[[float], bool], str]]`, *optional*):
             A hyperparameter's keyword -> `(is_valid, rule)`: the config refuses a value for which `is_valid` is False,
             quoting `rule` (for example `"> 0"`).
+        sign_based (`bool`, *optional*, defaults to `False`):
+            Whether the mode reads delta's direction through sign(delta): a token whose |delta| is at or below the sign
+            tolerance (`TVOPDConfig.sign_tolerance`) is then a tie, and the mode sees delta = 0 there.
     """
 
     function: Callable[..., torch.Tensor]
@@ -145,12 +146,7 @@ class AdvantageMode:
     hyperparameters: dict[str, str | None] = field(default_factory=dict)
     inputs: tuple[str, ...] = ()
     ranges: dict[str, tuple[Callable[[float], bool], str]] = field(default_factory=dict)
-
-    @property
-    def sign_based(self) -> bool:
-        """Whether the mode reads delta's direction through sign(delta), so that |delta| at or below the sign tolerance
-        (`TVOPDConfig.sign_tolerance`) is a tie with advantage 0."""
-        return "tolerance" in self.inputs
+    sign_based: bool = False
 
     @property
     def needs_exact_divergence(self) -> bool:
@@ -217,19 +213,19 @@ ADVANTAGE_MODE_REGISTRY: dict[str, AdvantageMode] = {
         ranges={"gamma": (lambda gamma: gamma > 0, "> 0")},
     ),
     "vopd": AdvantageMode(vopd_advantage, "vOPD", _FLOOR, ("reverse_kl",)),
-    "sign": AdvantageMode(sign_advantage, "Sign / Sign-TV", inputs=("tolerance",)),
-    "tv": AdvantageMode(tv_advantage, "TV-OPD", inputs=("scale", "tolerance")),
+    "sign": AdvantageMode(sign_advantage, "Sign / Sign-TV", sign_based=True),
+    "tv": AdvantageMode(tv_advantage, "TV-OPD", inputs=("scale",), sign_based=True),
     "relative_power": AdvantageMode(
         relative_power_advantage,
         "Power(beta) ablation",
         {"beta": "relative_power_beta", **_FLOOR},
-        ("tolerance",),
         ranges={"beta": (lambda beta: 0 <= beta <= 1, "in [0, 1]")},
+        sign_based=True,
     ),
-    "sequence_constant": AdvantageMode(sequence_constant_advantage, "Sequence-Constant", _FLOOR, ("tolerance",)),
-    "shuffle": AdvantageMode(shuffle_advantage, "Shuffle", _FLOOR, ("generator", "tolerance")),
+    "sequence_constant": AdvantageMode(sequence_constant_advantage, "Sequence-Constant", _FLOOR, sign_based=True),
+    "shuffle": AdvantageMode(shuffle_advantage, "Shuffle", _FLOOR, ("generator",), sign_based=True),
     "sign_mass_raw_alloc": AdvantageMode(
-        sign_mass_raw_alloc_advantage, "Sign-Mass/Raw-Allocation", _FLOOR, ("tolerance",)
+        sign_mass_raw_alloc_advantage, "Sign-Mass/Raw-Allocation", _FLOOR, sign_based=True
     ),
 }
 ADVANTAGE_MODES = tuple(ADVANTAGE_MODE_REGISTRY)
@@ -287,9 +283,10 @@ def compute_advantages(
             (S, a permutation, a sign group's mass) counts each span once, and each token gets its span's coefficient.
             Only modes with `across_tokenizers` take it.
         sign_tolerance (`float`, *optional*, defaults to `0.0`):
-            In the sign-based modes (`"sign"`, `"tv"`, `"relative_power"`, `"sequence_constant"`, `"shuffle"`,
-            `"sign_mass_raw_alloc"`), a token with |delta| at or below it is a tie: sign 0, advantage 0. The other
-            modes ignore it. 0 is the paper's sign, sign(0) = 0 only.
+            In the `sign_based` modes (`"sign"`, `"tv"`, `"relative_power"`, `"sequence_constant"`, `"shuffle"`,
+            `"sign_mass_raw_alloc"`), a token with |delta| at or below it is a tie, which the mode reads as delta = 0:
+            no direction, advantage 0 (and no magnitude in S or a sign group's mass). The other modes ignore it. With
+            0, only delta = 0 is a tie, as in the paper.
         **hyperparameters:
             The modes' hyperparameters by keyword (each entry of [`ADVANTAGE_MODE_REGISTRY`] lists its own); those of
             other modes are ignored:
@@ -343,7 +340,6 @@ def advantages_from_delta(
         "reverse_kl": None if reverse_kl is None else reverse_kl.detach(),
         "scale": scale,
         "generator": generator,
-        "tolerance": sign_tolerance,
     }
     # An unset hyperparameter is left out, so that the function's default holds
     keywords = {name: inputs[name] for name in spec.inputs}
@@ -353,7 +349,10 @@ def advantages_from_delta(
             raise ValueError(f"advantage_mode={mode!r} requires `{name}`, but it is None.")
     if delta.span_ids is not None and not spec.across_tokenizers:
         raise ValueError(f"advantage_mode={mode!r} is not defined on span log-ratios: {across_tokenizers_hint()}")
-    return delta.per_token(spec.function(*delta.per_span(delta.delta), **keywords))
+    values = delta.delta
+    if spec.sign_based and sign_tolerance > 0:
+        values = torch.where(values.abs() <= sign_tolerance, 0.0, values)
+    return delta.per_token(spec.function(*delta.per_span(values), **keywords))
 
 
 def across_tokenizers_hint() -> str:
