@@ -127,8 +127,10 @@ def main():
     header = ["model", "precision", "variant", "max |diff| (nats)", "p99 |diff|", "share of tokens that differ"]
     table = common.markdown_table(
         header,
-        [[r["model"], r["precision"], r["variant"], f"{r['max']:.2e}", f"{r['p99']:.2e}", f"{r['nonzero']:.0%}"]
-         for r in results],
+        [
+            [r["model"], r["precision"], r["variant"], f"{r['max']:.2e}", f"{r['p99']:.2e}", f"{r['nonzero']:.0%}"]
+            for r in results
+        ],
     )
     machine = common.machine_info()
     print(table)

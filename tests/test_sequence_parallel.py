@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,6 +144,9 @@ VARIANTS = {
     "two-teachers": ("tv", ["teacher=two"], 3),
     "teacher-prompts": ("tv", ["teacher=hinted"], 3),
     "self-distillation": ("tv", ["teacher=self"], 3),
+    # Rows after the student's own prompt beside hinted ones, and no hint at all: pi_old's scores, whatever the shards
+    "self-distillation-half-hinted": ("tv", ["teacher=self", "hints=half"], 3),
+    "self-distillation-unhinted": ("tv", ["teacher=self", "hints=none"], 3),
     "three-head-teacher": ("tv", ["teacher=three-heads"], 3),
     "gradient-checkpointing": ("tv", ["checkpointing=1"], 2),
 }
@@ -170,6 +174,19 @@ def test_two_processes_with_sp_equal_one_process_on_the_same_rollouts(sequence_p
         assert any(crosses_the_boundary(call, call["span_ids"]) for call in reference["calls"])
     if name == "tools":  # the tool result: tokens out of `tool_mask`, all of a row's one run
         assert any(crosses_the_boundary(call, -call["tool_mask"]) for call in reference["calls"])
+    if name.startswith("self-distillation-"):
+        # The rows after the student's own prompt carry pi_old as the teacher's score: delta 0 exactly, advantage 0
+        for run in [*runs, reference]:
+            unhinted = [call["self_scored"].bool() for call in run["calls"]]
+            assert all(rows.any() for rows in unhinted) and all(
+                rows.all() == name.endswith("unhinted") for rows in unhinted
+            )
+    if name == "self-distillation-unhinted":
+        # Nothing to learn: loss 0 and no update on every process, with SP and without
+        for run in [*runs, reference]:
+            assert [step["loss"] for step in run["log"]] == [0.0] * 3
+            for after in run["parameters"][1:]:
+                assert all(torch.equal(after[key], value) for key, value in run["parameters"][0].items())
 
 
 def test_evaluation_under_sp_runs_whole_rows_and_a_sharded_forward_in_eval_mode_is_refused(sequence_parallel_run):
@@ -188,6 +205,84 @@ def test_evaluation_under_sp_runs_whole_rows_and_a_sharded_forward_in_eval_mode_
     assert reference["eval_mode_refusal"] is None
 
 
+def zero3_sp_config(folder, **zero_optimization):
+    """zero3_sp_cpu.yaml with a DeepSpeed config file of `zero_optimization` (over stage 3) instead of its ZeRO flags."""
+    import yaml
+
+    config = yaml.safe_load(SP_CONFIG.read_text())
+    deepspeed = folder / "deepspeed.json"
+    deepspeed.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, **zero_optimization},
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+            }
+        )
+    )
+    config["deepspeed_config"] = {"deepspeed_config_file": str(deepspeed), "zero3_init_flag": True}
+    config.pop("mixed_precision")
+    path = folder / "accelerate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.long
+def test_zero3_without_reduce_scatter_under_sp_updates_as_one_process(tmp_path):
+    # ZeRO-3 of DeepSpeed < 0.20.2 averages an SP group's gradients over the world without reduce-scatter too: the
+    # step was exactly half the reference's before the loss scaled it
+    reference = _single_process(tmp_path / "reference", ["tv"])
+    config = zero3_sp_config(tmp_path, reduce_scatter=False, contiguous_gradients=False)
+    for run in _launch(tmp_path / "sp", config, [], ["tv"], processes=2):
+        assert run["sp_size"] == 2 and run["zero_stage"] == 3
+        assert_same_run(run, reference)
+
+
+@pytest.mark.parametrize("deepspeed_version, scale", [("0.19.8", 2), ("0.20.1", 2), ("0.20.2", 1), ("0.21.0", 1)])
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_the_sp_gradient_scale_follows_deepspeed_s_version_at_zero3(monkeypatch, deepspeed_version, scale, zero_stage):
+    from types import SimpleNamespace
+
+    import tvopd_trl.sequence_parallel as sequence_parallel
+
+    versions = {"deepspeed": deepspeed_version}
+    monkeypatch.setattr(sequence_parallel.importlib.metadata, "version", versions.__getitem__)
+    plugin = SimpleNamespace(zero_stage=zero_stage)
+    trainer = SimpleNamespace(
+        _sp_size=2,
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+    )
+    # transformers' own Ulysses loss gates its rescale alike (`deepspeed_sp_compute_loss`)
+    assert sequence_parallel.SequenceParallelMixin._gradient_scale(trainer) == (scale if zero_stage == 3 else 1)
+    trainer.model.training = False
+    assert sequence_parallel.SequenceParallelMixin._gradient_scale(trainer) == 1
+
+
+@pytest.mark.parametrize("deepspeed_version, refused", [("0.19.8", True), ("0.20.2", False)])
+@pytest.mark.parametrize("contiguous_gradients", [True, False])
+def test_zero3_without_reduce_scatter_and_contiguous_gradients_is_refused_where_deepspeed_averages(
+    monkeypatch, tmp_path, deepspeed_version, refused, contiguous_gradients
+):
+    from tvopd_trl.sequence_parallel import check_sequence_parallel, importlib
+
+    monkeypatch.setattr(importlib.metadata, "version", {"deepspeed": deepspeed_version}.__getitem__)
+    trainer = _trainer_stand_in(tmp_path)
+    zero = {"stage": 3, "reduce_scatter": False, "contiguous_gradients": contiguous_gradients}
+    trainer.accelerator.state = SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(zero_stage=3, deepspeed_config={"zero_optimization": zero})
+    )
+    if refused and contiguous_gradients:
+        with pytest.raises(
+            ValueError, match=r"set reduce_scatter: true.*contiguous_gradients: false.*deepspeed>=0\.20\.2"
+        ):
+            check_sequence_parallel(trainer, _student())
+    else:
+        check_sequence_parallel(trainer, _student())
+
+
 def test_shard_rows_moves_padding_after_the_real_tokens_and_shifts_labels_on_the_whole_row():
     # Two rows: prompt [5, 6] (left-padded by one) and [7, 8, 9]; completions [1, 2] and [3] (right-padded)
     input_ids = torch.tensor([[0, 5, 6, 1, 2], [7, 8, 9, 3, 0]])
@@ -203,15 +298,16 @@ def test_shard_rows_moves_padding_after_the_real_tokens_and_shifts_labels_on_the
 
 
 def _trainer_stand_in(tmp_path, processes=2, deepspeed=True, parallelism=None, **overrides):
-    from types import SimpleNamespace
-
     from accelerate.parallelism_config import ParallelismConfig
 
     from tvopd_trl.testing import tiny_config
 
     args = tiny_config(tmp_path, **overrides)
     config = ParallelismConfig(**(parallelism or {"sp_size": 2, "sp_backend": "deepspeed"}))
-    accelerator = SimpleNamespace(parallelism_config=config, num_processes=processes)
+    plugin = SimpleNamespace(zero_stage=3, deepspeed_config={"zero_optimization": {"stage": 3}})
+    accelerator = SimpleNamespace(
+        parallelism_config=config, num_processes=processes, state=SimpleNamespace(deepspeed_plugin=plugin)
+    )
     return SimpleNamespace(args=args, accelerator=accelerator, is_deepspeed_enabled=deepspeed)
 
 

@@ -267,8 +267,10 @@ def test_a_teacher_prompt_is_rendered_as_the_student_s_prompt(teacher, make_trai
     tokenizer = AutoTokenizer.from_pretrained(model_dirs["student"], padding_side="left")
     tokenizer.chat_template = QWEN3_LIKE
     dataset = prompt_dataset("opd", 8)
-    teacher_prompts = [row["prompt"] if i % 2 else [{"role": "system", "content": "hint"}, *row["prompt"]]
-                       for i, row in enumerate(dataset)]
+    teacher_prompts = [
+        row["prompt"] if i % 2 else [{"role": "system", "content": "hint"}, *row["prompt"]]
+        for i, row in enumerate(dataset)
+    ]
     dataset = dataset.add_column("teacher_prompt", teacher_prompts)
     overrides = {"self_distillation": "live"} if teacher == "self-live" else {}
     args = tiny_config(tmp_path, chat_template_kwargs={"enable_thinking": False}, **overrides)

@@ -4,7 +4,8 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `teacher=cross|two|three-heads|served|hinted|self` (with `url=`: a vLLM server of the vLLM-ready pair's teacher, whose
+`tools=1`, `teacher=cross|two|three-heads|served|hinted|self` (`self` with `hints=half|none`: every other row or no row
+hinted; `served` with `url=`: a vLLM server of the vLLM-ready pair's teacher, whose
 student then trains), `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
 (16-32 tokens) for the shard boundary to fall inside them. With `tools=1`, tokens 6-12 of every completion are a tool
@@ -49,6 +50,7 @@ RECORDED = (
     "reverse_kl",
     "old_logps",
     "teacher_index",
+    "self_scored",
     "step_num_items",
 )
 
@@ -181,6 +183,15 @@ def main(output_dir, mode, *options):
     if options.get("teacher") == "self":  # the hint student, its own teacher with the hint, its current weights
         overrides["self_distillation"] = "live"
         kwargs.update(model=hint_student_path(), teacher_model=None)
+        hints = kwargs["train_dataset"]["teacher_prompt"]
+        if options.get("hints") == "half":  # every other row after the student's own prompt: delta exactly 0 there
+            kwargs["train_dataset"] = (
+                kwargs["train_dataset"]
+                .remove_columns("teacher_prompt")
+                .add_column("teacher_prompt", [hint if index % 2 == 0 else None for index, hint in enumerate(hints)])
+            )
+        if options.get("hints") == "none":  # no teacher prompt at all: nothing to learn, no gradient
+            kwargs["train_dataset"] = kwargs["train_dataset"].remove_columns("teacher_prompt")
     if options.get("teacher") == "cross":
         overrides["cross_tokenizer"] = True
         kwargs["teacher_model"] = cross_tokenizer_paths()["triplets"]
