@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -559,6 +560,25 @@ def test_an_error_of_the_main_process_in_async_rollouts_stops_every_rank_with_it
     assert first["error"].startswith("ValueError: A prompt tokenized to no token at all")
     assert second["error"] == first["error"]
     assert first["step"] == second["step"] == 1
+
+
+def test_a_rank_that_raises_during_a_step_stops_the_launch_at_once(tmp_path):
+    """Any rank's error, not only the main process's: the rank that raises exits, torch's elastic agent (under `accelerate
+    launch`) sees it exit and stops the others, which were waiting in the step's collectives, and the launch exits
+    non-zero with that rank's traceback, within seconds rather than `ddp_timeout` (1800 s here)."""
+    output_dir = tmp_path / "rank_error"
+    output_dir.mkdir()
+    process = start_launch(
+        ["--config_file", str(ACCELERATE_CONFIGS / "ddp_cpu.yaml"), "--main_process_port", str(_free_port())]
+        + [str(SCRIPTS / "rank_error.py"), str(output_dir)]
+    )
+    _, stderr = wait_launch(process, "rank_error.py", timeout=300)
+    ended = time.time()
+    assert process.returncode != 0
+    assert "RuntimeError: rank 1 failed in step 2" in stderr and "ChildFailedError" in stderr, stderr[-3000:]
+    # Both ranks reached step 2; the launch ended soon after the error, not after ddp_timeout
+    started = [float((output_dir / f"rank-{rank}.started").read_text()) for rank in range(2)]
+    assert ended - max(started) < 60, ended - max(started)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

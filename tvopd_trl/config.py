@@ -70,13 +70,13 @@ class TVOPDConfig(DistillationConfig):
             mode's defaults. A key the mode does not take is an error. None of the paper's modes needs it.
         sign_tolerance (`float`, *optional*):
             In the sign-based modes (`sign`, `tv`, `relative_power`, `sequence_constant`, `shuffle`,
-            `sign_mass_raw_alloc`), a token with |delta| at or below it is a tie: advantage 0, however the two forwards
-            rounded it. `None` picks it from the teacher: `0` with a teacher model or server (the paper's sign, which
-            zeroes delta = 0 only), and with `self_distillation` a bound on the rounding of two forwards of the same
-            weights in the student's compute dtype (`tvopd_trl.advantages.SELF_TEACHER_SIGN_TOLERANCE`: 1e-3 nats in
-            float32, 0.1 in fp16, 0.3 in bf16; measured in docs/method.md, section 13). The share of tokens it zeroes is
-            logged as `advantage/tie_fraction`. The TV estimate and every `advantage/*` statistic of |delta| read the
-            unrounded delta.
+            `sign_mass_raw_alloc`), a token with |delta| at or below it is a tie, read as delta = 0: no direction,
+            advantage 0, however the two forwards rounded it. `None` picks it from the teacher: `0` with a teacher model
+            or server (the paper's sign, where only delta = 0 is a tie), and with `self_distillation` a bound on the
+            rounding of two forwards of the same weights in the student's compute dtype
+            (`tvopd_trl.advantages.SELF_TEACHER_SIGN_TOLERANCE`: 1e-3 nats in float32, 0.1 in fp16, 0.3 in bf16;
+            measured in docs/method.md, section 13). The share of active tokens it turns into ties is logged as
+            `advantage/tie_fraction`; the TV estimate and the `advantage/*` statistics of |delta| read delta as it is.
 
         > Parameters that control the TV-EMA scheduler (`advantage_mode="tv"`)
 
