@@ -245,6 +245,16 @@ def default_sign_tolerance(self_teacher: bool, compute_dtype: torch.dtype) -> fl
     return SELF_TEACHER_SIGN_TOLERANCE.get(compute_dtype, SELF_TEACHER_SIGN_TOLERANCE[torch.float32])
 
 
+def run_sign_tolerance(args, student) -> float:
+    """The sign tolerance of a run configured by `args` (a `TVOPDConfig`) on `student`: `args.sign_tolerance`, or its
+    default for the run's teacher and the dtype the student computes in (autocast's with `bf16`/`fp16`, else its
+    weights')."""
+    if args.sign_tolerance is not None:
+        return args.sign_tolerance
+    compute_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else student.dtype
+    return default_sign_tolerance(args.self_distillation is not None, compute_dtype)
+
+
 def compute_advantages(
     mode: str,
     *,

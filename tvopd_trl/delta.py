@@ -54,6 +54,16 @@ class TokenDelta:
     def of(cls, teacher_logps, old_logps, mask, span_ids=None) -> "TokenDelta":
         return cls(*token_delta(teacher_logps, old_logps, mask), span_ids)
 
+    @classmethod
+    def of_batch(cls, batch, old_logps) -> "TokenDelta":
+        """A scored batch's delta against `old_logps`, on the tokens that carry one: active in `loss_mask`, with finite
+        log-probabilities from the teacher, the rollout student and, under vLLM, the sampler (`sampler_logps`). The
+        trainer computes it once per micro-batch; the advantage, the TV estimate and the statistics all read it."""
+        delta = cls.of(batch["teacher_logps"], old_logps, batch["loss_mask"], batch.get("span_ids"))
+        if "sampler_logps" in batch:
+            delta = delta.where(torch.isfinite(batch["sampler_logps"]))
+        return delta
+
     def where(self, keep: torch.Tensor) -> "TokenDelta":
         """The same delta on fewer tokens: `keep` (`(B, T)`, or `(B, 1)` for whole rows) and `active` both."""
         return replace(self, active=self.active & keep)

@@ -20,6 +20,8 @@ import torch
 from datasets import IterableDataset
 from trl.trainer.utils import RepeatSampler, repeat_iterable_dataset, shuffle_sequence_dict, split_tensor_dict
 
+from .delta import TokenDelta
+
 
 class RolloutBatchingMixin:
     """How a [`TVOPDTrainer`] turns its dataloader's batches into rollout batches and micro-batches (see the module's
@@ -76,7 +78,7 @@ class RolloutBatchingMixin:
         # pathological, leaves its token in the count).
         old_logps = batch.get("old_logps")
         old_logps = torch.zeros_like(batch["teacher_logps"]) if old_logps is None else old_logps
-        return self._rollout_delta(batch, old_logps).active
+        return TokenDelta.of_batch(batch, old_logps).active
 
     def _prepare_inputs(self, generation_batch):
         if not self.model.training:

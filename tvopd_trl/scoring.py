@@ -36,6 +36,13 @@ SERVED_TEACHER_STATS = {"request_seconds": "max", "retries": "sum", "replicas_do
 _TEACHER_INPUTS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
+def self_scored_teacher_logps(batch, old_logps) -> torch.Tensor:
+    """`batch["teacher_logps"]` with pi_old's `old_logps` on its `self_scored` rows: there the live self-teacher is pi_old
+    itself, and its score is pi_old's exactly, not a second forward's rounding of it (padded to the other rows'
+    teacher prompts, or on whole rows where the loss runs Ulysses shards)."""
+    return torch.where(batch["self_scored"].bool().unsqueeze(1), old_logps, batch["teacher_logps"])
+
+
 class CompletionScoringMixin:
     """The scoring half of [`TVOPDTrainer`]: it reads the trainer's `args`, `accelerator`, models, `temperature`, the
     served teachers' server pools and TRL's `_forward_redirection` / `_get_last_hidden_state`."""

@@ -23,7 +23,7 @@ from trl import DistillationTrainer
 from trl.trainer import add_fused_lm_head
 from trl.trainer.utils import pad
 
-from .advantages import ADVANTAGE_MODE_REGISTRY, advantages_from_delta, default_sign_tolerance
+from .advantages import ADVANTAGE_MODE_REGISTRY, advantages_from_delta, run_sign_tolerance
 from .async_rollouts import AsyncRolloutMixin, bound_request_time
 from .callbacks import LearningRateScaleCallback, TVScheduleCallback, UpdateNormCallback
 from .checkpoints import RolloutCheckpointMixin
@@ -42,7 +42,7 @@ from .metrics import StepStatistics
 from .model_card import add_run_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
 from .rollout_batching import RolloutBatchingMixin
-from .scoring import CompletionScoringMixin
+from .scoring import CompletionScoringMixin, self_scored_teacher_logps
 from .sequence_parallel import SequenceParallelMixin
 from .served_teacher import connect_teacher_pool
 from .spans import align_teacher_logps, broadcast_spans, span_sums
@@ -235,9 +235,7 @@ class TVOPDTrainer(
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(reward_funcs))
         restrict_sampling_to_tokenizer(self)
         # |delta| at or below it is a tie in the sign-based modes (`args.sign_tolerance`)
-        self.sign_tolerance = args.sign_tolerance
-        if self.sign_tolerance is None:
-            self.sign_tolerance = default_sign_tolerance(args.self_distillation is not None, self._compute_dtype)
+        self.sign_tolerance = run_sign_tolerance(args, self.accelerator.unwrap_model(self.model))
         # name -> TokenizerAlignment of each teacher with another tokenizer (`cross_tokenizer`)
         self.alignments = check_loaded_trainer(self, teacher_tokenizers, shared_vocabulary)
 
@@ -445,15 +443,6 @@ class TVOPDTrainer(
         self._metrics[mode][name].append(float(value))
 
     @property
-    def _compute_dtype(self):
-        """The dtype the student's forwards compute in: autocast's with `bf16`/`fp16`, else its weights'."""
-        if self.args.bf16:
-            return torch.bfloat16
-        if self.args.fp16:
-            return torch.float16
-        return self.accelerator.unwrap_model(self.model).dtype
-
-    @property
     def _needs_exact_divergences(self):
         return ADVANTAGE_MODE_REGISTRY[self.args.advantage_mode].needs_exact_divergence or self.args.log_exact_tv
 
@@ -468,16 +457,6 @@ class TVOPDTrainer(
         replica = self.accelerator.process_index // self._sp_size  # an SP group shuffles its rows alike
         seed = hash((self.args.seed, replica, rollout_index, micro_index)) % (2**63)
         return torch.Generator().manual_seed(seed)
-
-    @staticmethod
-    def _rollout_delta(inputs, old_logps) -> TokenDelta:
-        """The batch's delta, on the tokens that carry one: active in `loss_mask`, with finite log-probabilities from
-        the teacher, the rollout student and, under vLLM, the sampler. Computed once per micro-batch; the advantage,
-        the TV estimate and the statistics all read it."""
-        delta = TokenDelta.of(inputs["teacher_logps"], old_logps, inputs["loss_mask"], inputs.get("span_ids"))
-        if "sampler_logps" in inputs:
-            delta = delta.where(torch.isfinite(inputs["sampler_logps"]))
-        return delta
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
@@ -499,12 +478,9 @@ class TVOPDTrainer(
             old_logps = logps.detach()
             if span_ids is not None:
                 inputs = {**inputs, "teacher_logps": align_teacher_logps(inputs["teacher_logps"], old_logps, span_ids)}
-        if "self_scored" in inputs:
-            # The live self-teacher after the student's own prompt is pi_old itself: its score is pi_old's, exactly,
-            # not a second forward's rounding of it (padded to the teacher prompts, or whole rows under SP)
-            self_scored = inputs["self_scored"].bool().unsqueeze(1)
-            inputs = {**inputs, "teacher_logps": torch.where(self_scored, old_logps, inputs["teacher_logps"])}
-        rollout_delta = self._rollout_delta(inputs, old_logps)
+        if "self_scored" in inputs:  # the live self-teacher after the student's prompt is pi_old: pi_old's scores
+            inputs = {**inputs, "teacher_logps": self_scored_teacher_logps(inputs, old_logps)}
+        rollout_delta = TokenDelta.of_batch(inputs, old_logps)  # once per micro-batch
         delta = rollout_delta.where(torch.isfinite(logps).detach())  # the loss's tokens
         active = delta.active
 
