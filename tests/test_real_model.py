@@ -3,7 +3,7 @@
 
 Its per-token log-probabilities, the student's after its prompt and the teacher's after a few-shot teacher prompt, are
 checked against a plain transformers forward of each chat-templated row alone; then a few steps of context
-distillation with a live self-teacher, and the evaluation command on it. Skipped, with the reason, where the model
+distillation with a live self-teacher, the evaluation command and the doctor on it. Skipped, with the reason, where the model
 cannot be had (no package registry, no `gguf`)."""
 
 import json
@@ -120,3 +120,37 @@ def test_the_evaluation_command_runs_on_the_real_model(smollm2_dir, tmp_path):
     assert status == 0
     results = json.loads((output / "results.json").read_text())
     assert results["benchmarks"]["aime24"]["problems"] == 4
+
+
+def test_the_doctor_passes_the_real_model_as_its_own_teacher(smollm2_dir, tmp_path):
+    data = tmp_path / "prompts"
+    data.mkdir()
+    few_shot_dataset().to_json(data / "train.jsonl")
+    report = tmp_path / "doctor.json"
+    status = cli.main(
+        [
+            "doctor",
+            "--model_name_or_path",
+            smollm2_dir,
+            "--teacher_model_name_or_path",
+            smollm2_dir,
+            "--dataset_name",
+            str(data),
+            "--doctor_prompts",
+            "4",
+            "--doctor_max_completion_length",
+            "8",
+            "--bf16",
+            "false",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--doctor_output_json",
+            str(report),
+        ]
+    )
+    assert status == 0
+    checks = {check["name"]: check for check in json.loads(report.read_text())}
+    assert all(check["status"] == "PASS" for check in checks.values()), checks
+    # The student against itself after its prompt is exact; the teacher, after the few-shot teacher prompt, is not
+    assert checks["self-delta"]["detail"].startswith("max |delta| 0.00e+00")
+    assert "TV estimate 0.000" not in checks["teacher vs student"]["detail"]
