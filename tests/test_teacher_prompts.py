@@ -276,8 +276,8 @@ def test_a_teacher_prompt_is_rendered_as_the_student_s_prompt(teacher, make_trai
     args = tiny_config(tmp_path, chat_template_kwargs={"enable_thinking": False}, **overrides)
     kwargs = {"teacher_model": None} if teacher == "self-live" else {}
     trainer = make_trainer(args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
-    if teacher == "path":  # its own tokenizer, loaded from its folder, has the plain template: not used
-        assert trainer.teacher_tokenizers["teacher"].chat_template != QWEN3_LIKE
+    if teacher == "path":  # its own tokenizer, in its folder, has the plain template: not used
+        assert AutoTokenizer.from_pretrained(model_dirs["teacher"]).chat_template != QWEN3_LIKE
     rows = [dataset[i] for i in range(8)]
     batch = trainer.score_completions(trainer.generate_completions(rows), old_logps=True)
     for index, row in enumerate(rows):

@@ -226,7 +226,6 @@ class TVOPDTrainer(
         self.student_quantization_config = quantization_config  # a frozen self-teacher loads as the student did
         # name -> Teacher, in the order `teacher_id` indexes (see `tvopd_trl.teachers`)
         self.teachers = local_teachers_of(self, local_teachers, teacher_tokenizers)
-        self.teacher_tokenizers = teacher_tokenizers  # the teacher prompts' rendering (`tvopd_trl.teacher_prompts`)
         if self.teachers and not next(iter(self.teachers.values())).live:
             self.teacher_model = next(iter(self.teachers.values())).model  # the base trainer's name for the first one
         self.teachers.update({name: Teacher(name, client=pool) for name, pool in pools.items()})
