@@ -154,3 +154,44 @@ def test_the_doctor_passes_the_real_model_as_its_own_teacher(smollm2_dir, tmp_pa
     # The student against itself after its prompt is exact; the teacher, after the few-shot teacher prompt, is not
     assert checks["self-delta"]["detail"].startswith("max |delta| 0.00e+00")
     assert "TV estimate 0.000" not in checks["teacher vs student"]["detail"]
+
+
+def test_the_terse_recipe_builds_on_the_real_model_and_reports_the_control_set(smollm2_dir, tmp_path, monkeypatch):
+    """`recipes/real/smollm2_terse.yaml`, shortened: the job finds the model where `tvopd-trl models` puts it, teaches
+    it with itself after the few-shot turns, and reports the behaviour, the reference and the control set."""
+    from pathlib import Path
+
+    from tvopd_trl.scripts import train
+
+    monkeypatch.setenv("TVOPD_TRL_MODELS", str(Path(smollm2_dir).parent))
+    out = tmp_path / "run"
+    flags = {
+        "max_steps": 2,
+        "per_device_train_batch_size": 2,
+        "max_completion_length": 8,
+        "eval_problems": 3,
+        "eval_k": 1,
+        "eval_max_new_tokens": 12,
+        "eval_every_steps": 0,
+        "output_dir": out,
+    }
+    argv = ["--config", "recipes/real/smollm2_terse.yaml", *(f"--{k}={v}" for k, v in flags.items())]
+    assert train.run(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["student"] == smollm2_dir and summary["self_distillation"] == "live" and summary["steps"] == 2
+    for key in ("student_accuracy_before", "student_accuracy_after", "student_accuracy_hinted", "gap_closed"):
+        assert key in summary
+    assert {"terse-fewshot.jsonl", "results.json"} <= {p.name for p in (out / "eval" / "student-hinted").iterdir()}
+    # The control set, greedy, before and after: the retention is what its records say
+    records = {
+        step: [json.loads(line) for line in (out / "eval" / "control" / f"step-{step}" / "facts.jsonl").open()]
+        for step in (0, 2)
+    }
+    right = {step: {r["problem_id"] for r in rows if r["correct"]} for step, rows in records.items()}
+    assert [len(rows) for rows in records.values()] == [3, 3]
+    assert summary["control_accuracy_before"] == len(right[0]) / 3
+    kept = len(right[0] & right[2]) / len(right[0]) if right[0] else None
+    assert summary["control_retention"] == kept
+    # The final student is a plain model folder
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == 49152 and (out / "tokenizer.json").is_file()

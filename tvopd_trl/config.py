@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.utils import is_torch_tf32_available
+from transformers.utils import is_torch_bf16_gpu_available, is_torch_tf32_available
 from trl import DistillationConfig
 
 from .advantages import ADVANTAGE_MODE_REGISTRY, ADVANTAGE_MODES
@@ -38,9 +38,11 @@ class TVOPDConfig(DistillationConfig):
 
     Extends [`~trl.DistillationConfig`] with the parameters of sampled-token on-policy distillation (OPD) and of
     TV-Regulated OPD (TV-OPD). The inherited `beta` (the generalized-JSD mix of the base trainer) plays no part here.
-    One inherited default differs: `tf32` left unset means TF32 matmuls on a GPU that has them. The trainer projects
-    the LM head in float32 (so that bf16 rounding never decides sign(delta)), and without TF32 that projection took
-    half of a step on an H200 (docs/performance.md, section 8). Set `tf32=False` to keep IEEE float32 matmuls.
+    Two inherited defaults differ. `bf16` left unset follows the machine: bf16 where transformers accepts it (a
+    bf16-capable GPU), float32 elsewhere, instead of TRL's bf16, which transformers refuses on a CPU. `tf32` left unset
+    means TF32 matmuls on a GPU that has them. The trainer projects the LM head in float32 (so that bf16 rounding never
+    decides sign(delta)), and without TF32 that projection took half of a step on an H200 (docs/performance.md,
+    section 8). Set `tf32=False` to keep IEEE float32 matmuls.
 
     Parameters:
         > Parameters that control the advantage
@@ -542,6 +544,8 @@ class TVOPDConfig(DistillationConfig):
         ):
             if hasattr(self, new) and getattr(self, new) is None:
                 setattr(self, new, getattr(self, old))
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = is_torch_bf16_gpu_available()
         if self.tf32 is None and is_torch_tf32_available():
             self.tf32 = True
         # TRL's config refuses sequence parallelism, which this trainer runs in its loss phase (docs/scaling.md); what

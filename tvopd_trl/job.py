@@ -34,7 +34,7 @@ from .packaged_recipes import find_recipe
 
 
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
-EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm", "tools", "hint")
+EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm", "tools", "hint", "smollm2_terse")
 # The held-out splits that grade each embedded task (`eval_benchmark`)
 EMBEDDED_BENCHMARKS = {
     "addition": "tiny",
@@ -43,10 +43,16 @@ EMBEDDED_BENCHMARKS = {
     "addition_vllm": "tiny",
     "tools": "tiny-tools",
     "hint": "tiny",
+    "smollm2_terse": "terse",
 }
 # The embedded tasks whose prompts carry privileged context (a `teacher_prompt`) for `self_distillation` to teach from:
 # task -> its held-out split with that context shown, where the untrained student's accuracy is the run's reference
-HINTED_BENCHMARKS = {"hint": "tiny-hinted"}
+HINTED_BENCHMARKS = {"hint": "tiny-hinted", "smollm2_terse": "terse-fewshot"}
+# Their recipes, which set `self_distillation`
+SELF_DISTILLATION_RECIPES = {
+    "hint": "recipes/tiny/self_distill.yaml",
+    "smollm2_terse": "recipes/real/smollm2_terse.yaml",
+}
 # `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
 WEAK_TEACHER = "weak"
 # `embedded_teacher`'s names of the teachers of another family (`tvopd_trl.tiny.cross_tokenizer_paths`), by member
@@ -82,10 +88,14 @@ class MainJobArguments:
             student learns to call it and to answer with its result, docs/tools.md; `max_completion_length` of at
             least 64, `eval_max_new_tokens` of at least 40 per turn) or `"hint"` (the tiny addition task, whose
             `teacher_prompt` shows the answer as a hint: one model, a student that solves it with the hint and seldom
-            without, which teaches itself with `self_distillation`, `recipes/tiny/self_distill.yaml`). Its held-out
-            splits are `eval_benchmark`'s: `tiny`, `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`
-            and `tiny`. With `self_distillation` on `hint`, the reference the gap is measured to is the untrained
-            student's accuracy with the hint shown (`tiny-hinted`), in place of the teacher's.
+            without, which teaches itself with `self_distillation`, `recipes/tiny/self_distill.yaml`) or
+            `"smollm2_terse"` (a real model: SmolLM2-135M-Instruct, built on first use by `tvopd_trl.pretrained`,
+            teaches itself to answer general questions in at most ten words as it does after four terse few-shot
+            turns, its `teacher_prompt`: `tvopd_trl.terse_task`, `recipes/real/smollm2_terse.yaml`). Its held-out
+            splits are `eval_benchmark`'s: `tiny`, `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`,
+            `tiny` and `terse`. With `self_distillation` on `hint` or `smollm2_terse`, the reference the gap is
+            measured to is the untrained student's score with the privileged context shown (`tiny-hinted`,
+            `terse-fewshot`), in place of the teacher's.
         embedded_teacher (`str`, *optional*):
             An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
             imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
@@ -137,6 +147,11 @@ class MainJobArguments:
             Sequences generated at once by the evaluation.
         eval_teacher (`bool`, *optional*, defaults to `True`):
             Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead.
+        eval_control_benchmark (`str`, *optional*):
+            A control benchmark of what the student can already do (e.g. `facts`, questions with known answers),
+            answered greedily before and after training: the summary's `control_retention` is the share of the
+            problems it answered right before that it still answers right after, so that a run that wins its metric
+            by breaking the model is seen. Defaults to none.
     """
 
     embedded_task: str = field(
@@ -173,6 +188,9 @@ class MainJobArguments:
     eval_every_steps: int = field(default=50, metadata={"help": "Accuracy-curve interval in steps; 0 disables."})
     eval_batch_size: int = field(default=512, metadata={"help": "Sequences generated at once by the evaluation."})
     eval_teacher: bool = field(default=True, metadata={"help": "Evaluate the teacher too."})
+    eval_control_benchmark: str | None = field(
+        default=None, metadata={"help": "Control benchmark answered greedily before and after (e.g. facts)."}
+    )
 
 
 class RecipeParser(OneLineErrors, TrlParser):
@@ -194,19 +212,15 @@ class JobParser(RecipeParser):
 
     - without `--config`, and without a model, teacher or dataset of its own, the job runs the embedded default, the
       packaged `tiny/tvopd` recipe (flags still override it);
-    - the precision follows the machine: bf16 where transformers accepts it (a bf16-capable GPU), float32 elsewhere,
-      instead of TRL's bf16, which transformers refuses on a CPU. A recipe's `bf16` or a flag wins;
     - `ModelConfig`'s `dtype` is unset instead of float32: the student then loads in float32 (the trainer's default)
       and each teacher as `teacher_model_init_kwargs` says, its checkpoint's dtype by default. `--dtype` loads both.
     """
 
     def __init__(self, dataclass_types, **kwargs):
         import torch
-        from transformers.utils import is_torch_bf16_gpu_available
 
         super().__init__(dataclass_types, **kwargs)
         self.set_defaults_with_config(
-            bf16=is_torch_bf16_gpu_available(),
             # Pinned memory needs an accelerator: without one, torch pins nothing and warns that it does not.
             dataloader_pin_memory=torch.accelerator.is_available(),
             dtype=None,
@@ -297,6 +311,11 @@ def load_job(job_args, training_args, model_args):
     task = job_args.embedded_task
     if task == "hint":  # one model: the student, its own teacher with the hint (`self_distillation`)
         family = {"student": tiny.hint_student_path(), "teachers": None}
+    elif task == "smollm2_terse":  # a real model, built on first use: its own teacher after the few-shot turns
+        from .pretrained import model_path
+        from .terse_task import MODEL
+
+        family = {"student": None if model_args.model_name_or_path else str(model_path(MODEL)), "teachers": None}
     elif task == "multi_teacher":
         family = tiny.multi_teacher_paths()
     elif task in ("long_addition", "addition_vllm", "tools"):
@@ -339,6 +358,10 @@ def load_job(job_args, training_args, model_args):
             from .tiny.hint_task import prompt_dataset
 
             train_dataset = prompt_dataset("opd")  # `prompt` bare, `teacher_prompt` hinted
+        elif task == "smollm2_terse":
+            from .terse_task import prompt_dataset
+
+            train_dataset = prompt_dataset("train")  # `prompt` bare, `teacher_prompt` after the few-shot turns
         else:
             train_dataset = tiny.prompt_dataset("opd", skill="addition" if task == "addition_vllm" else task)
     else:
@@ -459,7 +482,7 @@ def check_job_arguments(job_args, training_args, model_args):
 
 def check_self_distillation(job_args, training_args, custom_models):
     """`self_distillation` on an embedded task needs one whose prompts carry privileged context (`HINTED_BENCHMARKS`),
-    and is graded on its bare held-out split; the hint task has no teacher but the student itself."""
+    and is graded on its bare held-out split; the hint and terse tasks have no teacher but the student itself."""
     task, mode = job_args.embedded_task, training_args.self_distillation
     embedded_prompts = job_args.dataset_name is None
     if mode is not None and embedded_prompts and task not in HINTED_BENCHMARKS:
@@ -467,20 +490,21 @@ def check_self_distillation(job_args, training_args, custom_models):
             f"`self_distillation: {mode}` makes the student its own teacher, which knows more than the student only "
             f"where its prompt shows more (a `teacher_prompt`): `embedded_task: {task}`'s prompts carry none, so the "
             f"teacher would be the student itself. Use `embedded_task: {' or '.join(HINTED_BENCHMARKS)}` "
-            "(recipes/tiny/self_distill.yaml), a dataset with a `teacher_prompt` column, or a teacher."
+            f"({', '.join(SELF_DISTILLATION_RECIPES.values())}), a dataset with a `teacher_prompt` column, or a "
+            "teacher."
         )
     if task in HINTED_BENCHMARKS and embedded_prompts and not custom_models:
         if mode is None and training_args.teacher_model_server_url is None:
             raise ValueError(
-                f"`embedded_task: {task}` ships one model, a student that solves the task with the hint and seldom "
-                "without, to teach itself: set `self_distillation: live` (or `frozen`), as "
-                "recipes/tiny/self_distill.yaml does."
+                f"`embedded_task: {task}` ships one model, a student that does the task with its teacher prompt and "
+                "seldom without, to teach itself: set `self_distillation: live` (or `frozen`), as "
+                f"{SELF_DISTILLATION_RECIPES[task]} does."
             )
         benchmark = EMBEDDED_BENCHMARKS[task]
         if mode is not None and job_args.eval_problems > 0 and job_args.eval_benchmark != benchmark:
             raise ValueError(
-                f"`embedded_task: {task}` is graded on its held-out split without the hint, `eval_benchmark: "
-                f"{benchmark}`, and measured against the untrained student's accuracy with it "
+                f"`embedded_task: {task}` is graded on its held-out split without its teacher prompt, `eval_benchmark: "
+                f"{benchmark}`, and measured against the untrained student's score with it "
                 f"({HINTED_BENCHMARKS[task]}); got `eval_benchmark: {job_args.eval_benchmark}`."
             )
 

@@ -27,7 +27,7 @@ from .benchmarks import (
     read_problems,
     register_benchmark,
 )
-from .evaluate import evaluate, step_dir
+from .evaluate import evaluate, retention, right_problems, step_dir
 from .grading import grade, grade_answer, grade_responses, last_boxed
 from .selection import (
     PAPER_LATE_WINDOW,
@@ -88,6 +88,8 @@ __all__ = [
     "peak_drop",
     "read_problems",
     "register_benchmark",
+    "retention",
+    "right_problems",
     "select_checkpoint",
     "stage_averages",
     "step_dir",

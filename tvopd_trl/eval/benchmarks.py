@@ -49,7 +49,10 @@ class Benchmark:
     numbers the rows. `loader`, if set, returns the problems itself (the embedded tiny task). `prompt_template` turns
     a problem into the user turn: `{problem}` is replaced by the problem text (other braces are literal).
     `generator`, if set, answers the benchmark instead of plain generation: `generator(model, tokenizer, batch_size)`
-    returns a generator with [`TransformersGenerator`]'s call (the embedded tool task's tool loop)."""
+    returns a generator with [`TransformersGenerator`]'s call (the embedded tool task's tool loop). `grader`, if set,
+    grades a response instead of the last `\\boxed{}`'s math-verify: `grader(response, gold)` returns (the answer
+    recorded, `"correct"` or `"incorrect"`), in the evaluating process (a behaviour, not a math answer: the real
+    model's terse task, `tvopd_trl.terse_task`)."""
 
     name: str
     title: str
@@ -60,6 +63,7 @@ class Benchmark:
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     loader: Callable[[], list] | None = None
     generator: Callable | None = None
+    grader: Callable[[str, str], tuple] | None = None
 
     def prompt(self, problem, template=None):
         """The chat messages (one user turn) that pose `problem`."""
@@ -140,6 +144,11 @@ BENCHMARKS = BenchmarkRegistry(
         "tiny-tools": "tvopd_trl.tiny.tool_task:tiny_tools_benchmark",
         # The default pair's held-out split with each answer shown as a hint (the hint family's privileged context)
         "tiny-hinted": "tvopd_trl.tiny.hint_task:tiny_hinted_benchmark",
+        # The real model's terse task (`tvopd_trl.terse_task`): held-out questions, the same after the few-shot turns,
+        # and the control set
+        "terse": "tvopd_trl.terse_task:terse_benchmark",
+        "terse-fewshot": "tvopd_trl.terse_task:terse_fewshot_benchmark",
+        "facts": "tvopd_trl.terse_task:facts_benchmark",
     }
 )
 

@@ -102,7 +102,9 @@ def evaluate(
                 f"The generator must return {settings.k} responses for each of {len(problems)} prompts."
             )
         golds = [problem.answer for problem in problems for _ in range(settings.k)]
-        graded = _grade_shards(responses, golds, save_responses, accelerator, workers, timeout_seconds)
+        graded = _grade_shards(
+            responses, golds, save_responses, accelerator, workers, timeout_seconds, benchmark.grader
+        )
         statuses = [status for _, status, _ in graded]
         correct = [status == CORRECT for status in statuses]
         scores = summarize([correct[i : i + settings.k] for i in range(0, len(correct), settings.k)])
@@ -135,14 +137,22 @@ def evaluate(
     return results
 
 
-def _grade_shards(responses, golds, keep_responses, accelerator, workers, timeout_seconds):
+def _grade_shards(responses, golds, keep_responses, accelerator, workers, timeout_seconds, grader=None):
     """(answer, status, response or `None`) of each response, in order: this process grades the responses it
-    generated (the others are `None` here), and with `accelerator` the other processes' records are gathered."""
+    generated (the others are `None` here) with the benchmark's `grader`, else math-verify, and with `accelerator` the
+    other processes' records are gathered."""
     flat = [response for samples in responses for response in samples]
     shard = [n for n, response in enumerate(flat) if response is not None]
-    answers, statuses = grade_responses(
-        [flat[n] for n in shard], [golds[n] for n in shard], workers=workers, timeout_seconds=timeout_seconds
-    )
+    if grader is not None:
+        answers, statuses = [], []
+        for n in shard:
+            answer, status = grader(flat[n], golds[n])
+            answers.append(answer)
+            statuses.append(status)
+    else:
+        answers, statuses = grade_responses(
+            [flat[n] for n in shard], [golds[n] for n in shard], workers=workers, timeout_seconds=timeout_seconds
+        )
     # Full responses travel only when they are kept: the paper's are up to 31,744 tokens each.
     records = [
         (n, answer, status, flat[n] if keep_responses else None)
@@ -155,6 +165,27 @@ def _grade_shards(responses, golds, keep_responses, accelerator, workers, timeou
     if [record[0] for record in records] != list(range(len(flat))):
         raise RuntimeError("The generator's shards must hold every response exactly once.")
     return [record[1:] for record in records]
+
+
+def right_problems(output_dir, benchmark):
+    """The ids of the problems of `benchmark` (a name) that the evaluation in `output_dir` answered right in every
+    sample (greedy: its one answer)."""
+    wrong, seen = set(), set()
+    with open(os.path.join(output_dir, f"{benchmark}.jsonl"), encoding="utf-8") as f:
+        for record in map(json.loads, f):
+            seen.add(record["problem_id"])
+            if not record["correct"]:
+                wrong.add(record["problem_id"])
+    return seen - wrong
+
+
+def retention(before_dir, after_dir, benchmark):
+    """The share of the problems of `benchmark` answered right in `before_dir`'s evaluation that are still right in
+    `after_dir`'s (`right_problems`); None when none were right before."""
+    before = right_problems(before_dir, benchmark)
+    if not before:
+        return None
+    return len(before & right_problems(after_dir, benchmark)) / len(before)
 
 
 def evaluation_protocol(settings, limit, prompt_template, model):

@@ -35,6 +35,7 @@ from dataclasses import asdict
 
 from transformers import AutoTokenizer
 
+from ..eval import get_benchmark, retention
 from ..eval.selection import gap_closed
 from ..job import (
     Accuracy,
@@ -69,6 +70,9 @@ def main(job_args, training_args, model_args):
     # reference (the teacher's, elsewhere)
     reference = hinted_reference(job_args, training_args)
     hinted = Accuracy(job_args, tokenizer, benchmarks=[reference]) if reference else None
+    control = None  # what the student could already do, answered greedily before and after (`control_retention`)
+    if job_args.eval_control_benchmark and job_args.eval_problems > 0:
+        control = Accuracy(job_args, tokenizer, benchmarks=[job_args.eval_control_benchmark])
     local_teachers = teacher_sources = teacher_path
     if servers is not None:
         # `teacher_model_name_or_path` names the served teachers' tokenizers; its other names are local teachers.
@@ -146,6 +150,10 @@ def main(job_args, training_args, model_args):
             if hinted is not None:  # recorded beside the teacher's records of a run with a teacher
                 records = dict(output_dir=os.path.join(out, "eval", "student-hinted"), model_id=student_path)
                 scores.update(_hinted_scores(hinted, accuracy, student, "student_accuracy_hinted", sharded, **records))
+            if control is not None:
+                control_before = control(
+                    student, greedy=True, output_dir=_control_dir(out, 0), model_id=out, **sharded
+                )
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
     train_seconds = time.perf_counter() - train_start
@@ -177,6 +185,9 @@ def main(job_args, training_args, model_args):
             scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True, **sharded)
             if hinted is not None:  # whether the student (the live teacher) still reads the hint
                 scores.update(_hinted_scores(hinted, accuracy, student, "student_accuracy_hinted_after", sharded))
+            if control is not None:
+                after_dir = _control_dir(out, final_step)
+                control_after = control(student, greedy=True, output_dir=after_dir, model_id=out, **sharded)
     if state.is_main_process:
         if "student_accuracy_before" in scores:
             curves = [(0, scores["student_accuracy_before"]), *curves]
@@ -188,8 +199,12 @@ def main(job_args, training_args, model_args):
             history,
             training_args.output_dir,
             results.get(reference_key),
-            reference_label="student with the hint" if hinted is not None else "teacher",
+            reference_label="student with its teacher prompt" if hinted is not None else "teacher",
         )
+        if control is not None:
+            (name,) = control.names
+            results["control_accuracy_before"], results["control_accuracy_after"] = control_before, control_after
+            results["control_retention"] = retention(_control_dir(out, 0), after_dir, get_benchmark(name).name)
         last = next((e for e in reversed(trainer.state.log_history) if "tv/estimate" in e), {})
         scales = {key: value for key, value in last.items() if key.startswith("tv/") and key.endswith("/scale")}
         summary = {
@@ -263,6 +278,11 @@ def _hinted_scores(hinted, accuracy, student, key, sharded, output_dir=None, mod
     }
 
 
+def _control_dir(output_dir, step):
+    """Where the control benchmark's greedy records at `step` go (`MainJobArguments.eval_control_benchmark`)."""
+    return os.path.join(output_dir, "eval", "control", f"step-{step}")
+
+
 def _gap_closed(results):
     """(after - before) / (reference - before): the share of the gap the run closed to its reference, the teacher's
     accuracy, or with self-distillation on a task with privileged context the untrained student's accuracy with that
@@ -300,8 +320,8 @@ def _summary_table(summary):
     table.add_column("greedy", justify="right")
     for label, key in (("student before", "student_accuracy_before"), ("student after", "student_accuracy_after")):
         table.add_row(label, fmt(summary.get(key)), fmt(summary.get(f"{key}_greedy")))
-    if "student_accuracy_hinted" in summary:  # self-distillation: the reference is the student with the hint
-        for label, key in (("student with the hint, before", ""), ("student with the hint, after", "_after")):
+    if "student_accuracy_hinted" in summary:  # self-distillation: the reference is the student with its teacher prompt
+        for label, key in (("with its teacher prompt, before", ""), ("with its teacher prompt, after", "_after")):
             hinted = f"student_accuracy_hinted{key}"
             table.add_row(label, fmt(summary.get(hinted)), fmt(summary.get(f"{hinted}_greedy")))
     else:
@@ -309,6 +329,10 @@ def _summary_table(summary):
     if "tool_call_frequency_before" in summary:  # a tool loop's evaluation: how often the student calls, at mean@k
         calls = [summary.get(f"tool_call_frequency_{when}") for when in ("before", "after")]
         table.add_row("tool calls per answer, before -> after", " -> ".join(f"{c:.2f}" for c in calls), "")
+    if "control_retention" in summary:  # the control benchmark, greedy: before -> after, and what was kept
+        control = " -> ".join(fmt(summary[f"control_accuracy_{when}"]) for when in ("before", "after"))
+        table.add_row(f"control ({args['eval_control_benchmark']}), before -> after", "", control)
+        table.add_row("control answers kept", "", fmt(summary["control_retention"]))
     return table
 
 
