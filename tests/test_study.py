@@ -188,7 +188,7 @@ def test_a_self_distillation_study_reports_against_the_students_own_hinted_accur
     for slug, name in (("tv_live", "TV-OPD (live teacher)"), ("raw_frozen", "Raw OPD (frozen teacher)")):
         summary = json.loads((tmp_path / "runs" / slug / "seed-0" / "summary.json").read_text())
         assert summary["self_distillation"] == slug.split("_")[1] and "teacher_accuracy" not in summary
-        assert aggregates["Student with the hint (step 0)"][0] == summary["student_accuracy_hinted"]
+        assert aggregates["Student with its teacher prompt (step 0)"][0] == summary["student_accuracy_hinted"]
         row = aggregates["Against the student's own hinted accuracy"][name]
         assert row["gap_closed"][0] == pytest.approx(summary["gap_closed"])
         assert row["student_accuracy_hinted_after"][0] == summary["student_accuracy_hinted_after"]
@@ -199,7 +199,7 @@ def test_a_self_distillation_study_reports_against_the_students_own_hinted_accur
                 sum(logged) / len(logged)
             )
     tables = (results / "tables.md").read_text()
-    assert "| Student with the hint (step 0) |" in tables and "Mean abs(delta)" in tables
+    assert "| Student with its teacher prompt (step 0) |" in tables and "Mean abs(delta)" in tables
 
 
 def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path):

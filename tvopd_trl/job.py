@@ -147,6 +147,11 @@ class MainJobArguments:
             Sequences generated at once by the evaluation.
         eval_teacher (`bool`, *optional*, defaults to `True`):
             Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead.
+        trl_baseline (`bool`, *optional*, defaults to `False`):
+            Train with TRL's own `DistillationTrainer` instead, for comparison: its full-vocabulary divergence (reverse
+            KL, `beta=1`) on the same on-policy rollouts, batch, lengths and optimizer, a `teacher_prompt` read by its
+            teacher (`tvopd_trl.trl_baseline`). One local teacher, or `self_distillation: frozen`. The evaluation and
+            summary are the job's; the TV metrics are TV-OPD's and are not logged.
         eval_control_benchmark (`str`, *optional*):
             A control benchmark of what the student can already do (e.g. `facts`, questions with known answers),
             answered greedily before and after training: the summary's `control_retention` is the share of the
@@ -188,6 +193,9 @@ class MainJobArguments:
     eval_every_steps: int = field(default=50, metadata={"help": "Accuracy-curve interval in steps; 0 disables."})
     eval_batch_size: int = field(default=512, metadata={"help": "Sequences generated at once by the evaluation."})
     eval_teacher: bool = field(default=True, metadata={"help": "Evaluate the teacher too."})
+    trl_baseline: bool = field(
+        default=False, metadata={"help": "Train with TRL's DistillationTrainer instead, for comparison."}
+    )
     eval_control_benchmark: str | None = field(
         default=None, metadata={"help": "Control benchmark answered greedily before and after (e.g. facts)."}
     )
@@ -456,6 +464,10 @@ def check_job_arguments(job_args, training_args, model_args):
             f"Unknown `embedded_task` {job_args.embedded_task!r}; choose one of {', '.join(EMBEDDED_TASKS)}."
         )
     check_self_distillation(job_args, training_args, student_named or teacher_named)
+    if job_args.trl_baseline:
+        from .trl_baseline import check_trl_baseline
+
+        check_trl_baseline(training_args)
     if job_args.embedded_teacher is not None:
         from .tiny import SKILLS
 

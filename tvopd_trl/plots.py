@@ -39,7 +39,8 @@ def _save(figure, output_dir, name):
 
 def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None, reference_label="teacher"):
     """
-    Writes `accuracy.png`, `tv.png`, `update_norm.png` and `advantage_dispersion.png` into `output_dir`.
+    Writes `accuracy.png`, `tv.png`, `update_norm.png` and `advantage_dispersion.png` into `output_dir`: the last
+    three where `log_history` has their metrics (a run of TRL's own trainer, `trl_baseline`, logs none of them).
 
     Args:
         log_history (`list[dict]`): `trainer.state.log_history`.
@@ -64,6 +65,8 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None, r
         axis.legend()
     paths.append(_save(figure, output_dir, "accuracy.png"))
 
+    if not any("tv/estimate" in entry for entry in log_history):
+        return paths
     figure, (left, right) = _subplots(2, figsize=(10, 4))
     # With a scale per teacher, `tv/<teacher>/ema` and `tv/<teacher>/scale` replace `tv/ema` and `tv/scale`
     teachers = sorted(

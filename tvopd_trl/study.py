@@ -256,6 +256,19 @@ def _history_series(log_history, key):
     return {entry["step"]: entry[key] for entry in log_history if isinstance(entry.get(key), int | float)}
 
 
+def eval_k(study):
+    """The runs' samples per problem: the study's `eval_k`, else its recipe's, else the main job's default."""
+    import yaml
+
+    from .job import MainJobArguments
+    from .packaged_recipes import find_recipe
+
+    if "eval_k" in study.overrides:
+        return study.overrides["eval_k"]
+    with open(find_recipe(study.recipe)) as f:
+        return yaml.safe_load(f).get("eval_k", MainJobArguments.eval_k)
+
+
 def load_results(study):
     """`{method: [{"seed", "accuracy": {step: mean@k}, "log_history", "summary"}]}` of the finished grid."""
     from .eval.selection import load_run
@@ -275,7 +288,7 @@ def load_results(study):
             log_history = json.load(f)
         with open(os.path.join(run.directory, "summary.json")) as f:
             summary = json.load(f)
-        evaluations = load_run(run.directory, study.overrides["eval_k"])
+        evaluations = load_run(run.directory, eval_k(study))
         by_skill = {skill: {step: scores[skill] for step, scores in evaluations.items()} for skill in skills}
         results.setdefault(run.method, []).append(
             {
@@ -431,7 +444,7 @@ def analyze_skills(study, results):
         for skill, title in skills.items()
         for column, label in (("before", "before"), ("after", "after"), ("gap", "gap closed"))
     }
-    k = study.overrides["eval_k"]
+    k = eval_k(study)
     table = format_table(rows, columns, header=header)
     teacher_note = "; ".join(f"{skills[skill]} {100 * accuracy:.1f}%" for skill, accuracy in best.items())
     tables = (
@@ -463,16 +476,21 @@ def analyze_against_teacher(study, results):
     from .eval.tables import format_table
     from .plots import plot_curves
 
-    out, k, analysis = study.results_dir, study.overrides["eval_k"], study.analysis
+    out, k, analysis = study.results_dir, eval_k(study), study.analysis
     summaries = [run["summary"] for runs in results.values() for run in runs]
     own = all("student_accuracy_hinted" in summary for summary in summaries)
     reference_key = "student_accuracy_hinted" if own else "teacher_accuracy"
-    reference = "Student with the hint (step 0)" if own else "Teacher"
+    reference = "Student with its teacher prompt (step 0)" if own else "Teacher"
     reference_accuracy = _aggregate(summary[reference_key] for summary in summaries)
     student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
     rows = retention_rows(study, results, list(study.methods))
     header = {"selected": "Selected", "final": "Final", "late_mean": "LateMean", "peak_drop": "PeakDrop"}
-    extra = {"gap_closed": "Gap closed", "student_accuracy_hinted_after": "With the hint, after"}
+    extra = {
+        "gap_closed": "Gap closed",
+        "student_accuracy_hinted_after": "With its teacher prompt, after",
+        "control_accuracy_after": "Control, after",
+        "control_retention": "Control kept",
+    }
     header |= {key: title for key, title in extra.items() if all(key in summary for summary in summaries)}
     header["minutes"] = "Wall time (min)"
     for method, runs in results.items():
@@ -485,6 +503,9 @@ def analyze_against_teacher(study, results):
         reference: {"selected": reference_accuracy, "final": reference_accuracy},
         "Student (step 0)": {"selected": student, "final": student},
     }
+    if "control_accuracy_after" in header:  # the control benchmark before training, in its column
+        before = _aggregate(summary["control_accuracy_before"] for summary in summaries)
+        fixed["Student (step 0)"]["control_accuracy_after"] = before
     table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop", "minutes"), fixed_rows=fixed)
     window = list(_steps(analysis["late_window"]))
     title = "Against the student's own hinted accuracy" if own else "Against the teacher"
@@ -547,7 +568,7 @@ def analyze_span_metrics(study, results):
     from .eval.tables import format_table
     from .plots import plot_curves
 
-    out, k = study.results_dir, study.overrides["eval_k"]
+    out, k = study.results_dir, eval_k(study)
     methods = list(study.methods)
     rows = retention_rows(study, results, methods)
     spans = {}
@@ -619,7 +640,7 @@ def analyze(study, log=print):
         "trajectory": "Trajectory avg.",
     }
     student = _aggregate(runs[0]["accuracy"][0] for runs in results.values())
-    k = study.overrides["eval_k"]
+    k = eval_k(study)
     tables, numbers = [], {}
 
     def add(title, rows, columns, note, **options):

@@ -25,7 +25,7 @@ graded by the answer's presence, to see what the student could do before and kee
 
 - ``terse``: the held-out questions, right when the answer has at most `MAX_WORDS` words;
 - ``terse-fewshot``: the same after the four turns, the untrained model's score there being the run's reference;
-- ``facts``: the control set, right when the answer names the known one.
+- ``facts``: the control set, right when the answer names the known one (``facts-fewshot``: after the four turns).
 
 ``recipes/real/smollm2_terse.yaml`` runs it (`embedded_task: smollm2_terse`).
 """
@@ -180,6 +180,10 @@ class FewShotBenchmark(Benchmark):
         return [*few_shot_turns(), *super().prompt(problem, template)]
 
 
+def _facts():
+    return [Problem(f"fact-{index}", question, answer) for index, (question, answer) in enumerate(FACTS)]
+
+
 def _held_out():
     return [Problem(f"terse-{index}", question, str(MAX_WORDS)) for index, question in enumerate(questions("test"))]
 
@@ -198,8 +202,11 @@ def terse_fewshot_benchmark():
 
 def facts_benchmark():
     """``facts``: the control set (`FACTS`), graded by `grade_presence`."""
+    return Benchmark("facts", "Facts", prompt_template="{problem}", loader=_facts, grader=grade_presence)
 
-    def load():
-        return [Problem(f"fact-{index}", question, answer) for index, (question, answer) in enumerate(FACTS)]
 
-    return Benchmark("facts", "Facts", prompt_template="{problem}", loader=load, grader=grade_presence)
+def facts_fewshot_benchmark():
+    """``facts-fewshot``: ``facts`` after the four terse turns, what the teacher knows of the control set."""
+    return FewShotBenchmark(
+        "facts-fewshot", "Facts (few-shot)", prompt_template="{problem}", loader=_facts, grader=grade_presence
+    )

@@ -149,6 +149,7 @@ BENCHMARKS = BenchmarkRegistry(
         "terse": "tvopd_trl.terse_task:terse_benchmark",
         "terse-fewshot": "tvopd_trl.terse_task:terse_fewshot_benchmark",
         "facts": "tvopd_trl.terse_task:facts_benchmark",
+        "facts-fewshot": "tvopd_trl.terse_task:facts_fewshot_benchmark",
     }
 )
 

@@ -83,16 +83,23 @@ def main(job_args, training_args, model_args):
     # Paths, not models: the trainer loads both with the config's `model_init_kwargs` / `teacher_model_init_kwargs`,
     # where the model arguments (`--dtype`, ...) go, and wraps the student in LoRA with `--use_peft`.
     model_options = apply_model_config(model_args, training_args)
-    trainer = TVOPDTrainer(
-        model=student_path,
-        teacher_model=local_teachers or None,
-        args=training_args,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
-        teacher_processing_class=_teacher_tokenizers(teacher_path, training_args.trust_remote_code),
-        tools=embedded_tools(job_args),
-        **model_options,
-    )
+    if job_args.trl_baseline:
+        from ..trl_baseline import trl_baseline_trainer
+
+        trainer = trl_baseline_trainer(
+            student_path, teacher_path, training_args, train_dataset, tokenizer, **model_options
+        )
+    else:
+        trainer = TVOPDTrainer(
+            model=student_path,
+            teacher_model=local_teachers or None,
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+            teacher_processing_class=_teacher_tokenizers(teacher_path, training_args.trust_remote_code),
+            tools=embedded_tools(job_args),
+            **model_options,
+        )
     trainer.dataset_name = job_args.dataset_name  # for the model card
     curve = None
     if accuracy is not None and job_args.eval_every_steps > 0:
@@ -208,7 +215,7 @@ def main(job_args, training_args, model_args):
         last = next((e for e in reversed(trainer.state.log_history) if "tv/estimate" in e), {})
         scales = {key: value for key, value in last.items() if key.startswith("tv/") and key.endswith("/scale")}
         summary = {
-            "advantage_mode": training_args.advantage_mode,
+            "advantage_mode": "trl" if job_args.trl_baseline else training_args.advantage_mode,
             "steps": trainer.state.global_step,
             "wall_seconds": time.perf_counter() - start,
             "train_seconds": train_seconds,
