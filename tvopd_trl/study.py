@@ -256,17 +256,22 @@ def _history_series(log_history, key):
     return {entry["step"]: entry[key] for entry in log_history if isinstance(entry.get(key), int | float)}
 
 
-def eval_k(study):
-    """The runs' samples per problem: the study's `eval_k`, else its recipe's, else the main job's default."""
+def job_setting(study, key):
+    """A main-job argument of the study's runs: the study's override, else its recipe's value, else the default."""
     import yaml
 
     from .job import MainJobArguments
     from .packaged_recipes import find_recipe
 
-    if "eval_k" in study.overrides:
-        return study.overrides["eval_k"]
+    if key in study.overrides:
+        return study.overrides[key]
     with open(find_recipe(study.recipe)) as f:
-        return yaml.safe_load(f).get("eval_k", MainJobArguments.eval_k)
+        return yaml.safe_load(f).get(key, getattr(MainJobArguments, key))
+
+
+def eval_k(study):
+    """The runs' samples per problem (`job_setting`)."""
+    return job_setting(study, "eval_k")
 
 
 def load_results(study):
@@ -280,7 +285,7 @@ def load_results(study):
             f"{len(unfinished)} of {len(runs)} runs are not finished (e.g. {unfinished[0]}): run the study to the end "
             "first (it resumes where it stopped)."
         )
-    benchmark = study.overrides.get("eval_benchmark", "tiny")
+    benchmark = job_setting(study, "eval_benchmark")
     skills = study.analysis.get("skills", {benchmark: benchmark})
     results = {}
     for run in runs:
@@ -315,7 +320,7 @@ def retention_rows(study, results, methods):
     from .eval.tables import main_results_row, retention_row
 
     window = _steps(study.analysis["late_window"])
-    benchmark = study.overrides.get("eval_benchmark", "tiny")
+    benchmark = job_setting(study, "eval_benchmark")
     rows = {}
     for method in methods:
         series = [run["accuracy"] for run in results[method]]
