@@ -5,6 +5,7 @@ a step that fits this CPU. The precision is left as the block leaves it."""
 import re
 from pathlib import Path
 
+import pytest
 from datasets import Dataset
 
 
@@ -24,6 +25,7 @@ def readme_example():
     return re.search(r"```python\n(.*?)```", after, flags=re.DOTALL).group(1)
 
 
+@pytest.mark.long  # end to end on the real model: the test command runs it, the compatibility leg does not
 def test_the_readme_python_example_trains(smollm2_dir, tmp_path, monkeypatch):
     import datasets
 

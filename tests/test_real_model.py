@@ -8,6 +8,7 @@ cannot be had (no package registry, no `gguf`)."""
 
 import json
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,6 +157,7 @@ def test_the_doctor_passes_the_real_model_as_its_own_teacher(smollm2_dir, tmp_pa
     assert "TV estimate 0.000" not in checks["teacher vs student"]["detail"]
 
 
+@pytest.mark.long  # the recipe end to end: the test command runs it, the compatibility leg does not
 def test_the_terse_recipe_builds_on_the_real_model_and_reports_the_control_set(smollm2_dir, tmp_path, monkeypatch):
     """`recipes/real/smollm2_terse.yaml`, shortened: the job finds the model where `tvopd-trl models` puts it, teaches
     it with itself after the few-shot turns, and reports the behaviour, the reference and the control set."""
