@@ -58,12 +58,15 @@ def test_trl_s_trainer_trains_the_student_against_its_frozen_self_with_the_hint(
 def test_the_main_job_runs_trl_s_trainer_and_reports_it_like_any_run(tmp_path):
     out = tmp_path / "run"
     argv = ["--config", "recipes/tiny/self_distill.yaml", "--trl_baseline", "true", "--self_distillation", "frozen"]
-    argv += ["--max_steps", "3", "--eval_problems", "16", "--eval_every_steps", "0", "--output_dir", str(out)]
+    argv += ["--max_steps", "3", "--eval_problems", "16", "--eval_every_steps", "2", "--output_dir", str(out)]
     assert train.run(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["advantage_mode"] == "trl" and summary["steps"] == 3 and summary["final_tv_estimate"] is None
     assert summary["student_accuracy_hinted"] > summary["student_accuracy_before"]
     assert summary["plots"] == ["accuracy.png"]  # TRL's trainer logs no TV, update or advantage metrics
+    assert [step for step, _ in summary["accuracy_curve"]] == [0, 2, 3]  # the curve's evaluation logs its score
+    logged = [entry for entry in json.loads((out / "log_history.json").read_text()) if "eval/tiny/mean@4" in entry]
+    assert [entry["step"] for entry in logged] == [2]
 
 
 @pytest.mark.parametrize(

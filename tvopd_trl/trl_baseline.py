@@ -26,13 +26,16 @@ import torch
 from trl import DistillationConfig, DistillationTrainer
 
 from .teachers import SINGLE_TEACHER, TEACHER_PROMPT_COLUMN, Teacher
+from .trainer import TVOPDTrainer
 
 
 class TeacherPromptDistillationTrainer(DistillationTrainer):
     """TRL's `DistillationTrainer`, whose teacher reads each completion after the row's `teacher_prompt` (chat
     messages, rendered as the student's prompts are) instead of after the student's prompt.
 
-    `teachers` and `alignments` are the views of the teacher that `TVOPDTrainer` offers the main job's evaluation."""
+    `teachers`, `alignments` and `record_metric` are what `TVOPDTrainer` offers the main job's evaluation."""
+
+    record_metric = TVOPDTrainer.record_metric
 
     def __init__(self, *args, teacher_prompts=(), **kwargs):
         super().__init__(*args, **kwargs)
