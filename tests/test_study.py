@@ -189,7 +189,7 @@ def test_a_self_distillation_study_reports_against_the_students_own_hinted_accur
         summary = json.loads((tmp_path / "runs" / slug / "seed-0" / "summary.json").read_text())
         assert summary["self_distillation"] == slug.split("_")[1] and "teacher_accuracy" not in summary
         assert aggregates["Student with its teacher prompt (step 0)"][0] == summary["student_accuracy_hinted"]
-        row = aggregates["Against the student's own hinted accuracy"][name]
+        row = aggregates["Against the student with its teacher prompt"][name]
         assert row["gap_closed"][0] == pytest.approx(summary["gap_closed"])
         assert row["student_accuracy_hinted_after"][0] == summary["student_accuracy_hinted_after"]
         history = json.loads((tmp_path / "runs" / slug / "seed-0" / "log_history.json").read_text())

@@ -116,7 +116,7 @@ def _job(*flags):
 
 def test_the_recipe_runs_the_terse_task_against_the_student_with_its_few_shot_turns():
     job_args, training_args, model_args = _job()
-    assert (job_args.embedded_task, training_args.self_distillation) == ("smollm2_terse", "live")
+    assert (job_args.embedded_task, training_args.self_distillation) == ("smollm2_terse", "frozen")
     assert (job_args.eval_benchmark, job_args.eval_control_benchmark) == ("terse", "facts")
     check_job_arguments(job_args, training_args, model_args)
     assert hinted_reference(job_args, training_args) == "terse-fewshot"

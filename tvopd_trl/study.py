@@ -513,7 +513,7 @@ def analyze_against_teacher(study, results):
         fixed["Student (step 0)"]["control_accuracy_after"] = before
     table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop", "minutes"), fixed_rows=fixed)
     window = list(_steps(analysis["late_window"]))
-    title = "Against the student's own hinted accuracy" if own else "Against the teacher"
+    title = "Against the student with its teacher prompt" if own else "Against the teacher"
     tables = [
         f"### {title}\n\nHeld-out mean@{k} (%), mean ± sample std over seeds {study.seeds}; LateMean over "
         f"steps {window}, PeakDrop = max over steps - LateMean (lower is better); gap closed = (final - student at step 0) "
