@@ -79,6 +79,7 @@ def test_the_trainer_scores_the_real_model_as_a_plain_forward(smollm2_dir, tmp_p
         assert not torch.allclose(student, teacher, atol=1e-3)  # the few-shot turns move the teacher
 
 
+@pytest.mark.long  # end to end on the real model: the compatibility leg keeps the log-probability check only
 def test_context_distillation_with_a_live_self_teacher_trains_the_real_model(smollm2_dir, tmp_path):
     args = tiny_config(
         tmp_path,
@@ -99,6 +100,7 @@ def test_context_distillation_with_a_live_self_teacher_trains_the_real_model(smo
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
 
 
+@pytest.mark.long  # end to end on the real model: the compatibility leg keeps the log-probability check only
 def test_the_evaluation_command_runs_on_the_real_model(smollm2_dir, tmp_path):
     output = tmp_path / "eval"
     status = cli.main(
@@ -123,6 +125,7 @@ def test_the_evaluation_command_runs_on_the_real_model(smollm2_dir, tmp_path):
     assert results["benchmarks"]["aime24"]["problems"] == 4
 
 
+@pytest.mark.long  # end to end on the real model: the compatibility leg keeps the log-probability check only
 def test_the_doctor_passes_the_real_model_as_its_own_teacher(smollm2_dir, tmp_path):
     data = tmp_path / "prompts"
     data.mkdir()
