@@ -49,10 +49,10 @@ def test_without_a_recipe_the_job_runs_the_tiny_recipe_in_the_machines_precision
 
 
 def test_the_precision_follows_the_hardware_unless_set(monkeypatch, tmp_path):
-    import transformers.utils
+    import tvopd_trl.config
 
     # A bf16-capable GPU, as transformers sees it (`use_cpu`: this machine's TrainingArguments would refuse bf16).
-    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.setattr(tvopd_trl.config, "is_torch_bf16_gpu_available", lambda: True)
     assert parse_job(["--use_cpu", "true", "--output_dir", str(tmp_path)], monkeypatch)[1].bf16 is True
     assert parse_job(["--use_cpu", "true", "--bf16", "false"], monkeypatch)[1].bf16 is False
     recipe = tmp_path / "fp32.yaml"

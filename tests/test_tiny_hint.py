@@ -131,12 +131,12 @@ def test_a_named_student_may_teach_itself_without_a_teacher():
     [
         (
             ["--embedded_task", "addition"],
-            r"`embedded_task: addition`'s prompts carry none.*Use `embedded_task: hint`",
+            r"`embedded_task: addition`'s prompts carry none.*Use `embedded_task: hint or smollm2_terse`",
         ),
         (["--embedded_task", "multi_teacher"], r"`embedded_task: multi_teacher`'s prompts carry none"),
         (
             ["--eval_benchmark", "tiny-hinted"],
-            r"graded on its held-out split without the hint, `eval_benchmark: tiny`",
+            r"graded on its held-out split without its teacher prompt, `eval_benchmark: tiny`",
         ),
     ],
 )
