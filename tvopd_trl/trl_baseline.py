@@ -42,10 +42,11 @@ class TeacherPromptDistillationTrainer(DistillationTrainer):
         self.teachers = {SINGLE_TEACHER: Teacher(SINGLE_TEACHER, model=self.teacher_model)}
         self.alignments = {}
         # The student's prompt ids, as TRL tokenizes them for generation -> the teacher's
-        prompts = [pair[0] for pair in teacher_prompts]
-        keys = self._tokenize_prompts(prompts)[0] if prompts else []
-        values = self._tokenize_prompts([pair[1] for pair in teacher_prompts])[0] if prompts else []
-        self.teacher_prompt_ids = {tuple(key): value for key, value in zip(keys, values, strict=True)}
+        self.teacher_prompt_ids = {}
+        if teacher_prompts:
+            prompts, teacher = zip(*teacher_prompts, strict=True)
+            keys, values = self._tokenize_prompts(list(prompts))[0], self._tokenize_prompts(list(teacher))[0]
+            self.teacher_prompt_ids = {tuple(key): value for key, value in zip(keys, values, strict=True)}
 
     def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs):
         if self.teacher_prompt_ids and unwrapped_model is self.accelerator.unwrap_model(self.teacher_model):

@@ -35,7 +35,7 @@ from dataclasses import asdict
 
 from transformers import AutoTokenizer
 
-from ..eval import get_benchmark, retention
+from ..eval import retention
 from ..eval.selection import gap_closed
 from ..job import (
     Accuracy,
@@ -209,9 +209,9 @@ def main(job_args, training_args, model_args):
             reference_label="student with its teacher prompt" if hinted is not None else "teacher",
         )
         if control is not None:
-            (name,) = control.names
+            (benchmark,) = control.benchmarks
             results["control_accuracy_before"], results["control_accuracy_after"] = control_before, control_after
-            results["control_retention"] = retention(_control_dir(out, 0), after_dir, get_benchmark(name).name)
+            results["control_retention"] = retention(_control_dir(out, 0), after_dir, benchmark.name)
         last = next((e for e in reversed(trainer.state.log_history) if "tv/estimate" in e), {})
         scales = {key: value for key, value in last.items() if key.startswith("tv/") and key.endswith("/scale")}
         summary = {
