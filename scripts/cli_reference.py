@@ -51,7 +51,9 @@ EXAMPLES = {
         [
             "Runs `tvopd_trl.scripts.train` through `accelerate launch`. A recipe key or flag that the script does not "
             "know (`--num_processes`, `--accelerate_config zero3`, ...) goes to `accelerate launch`; flags after "
-            "`--config` override the recipe. Without an accelerate config (`--accelerate_config`, the recipe's key, or "
+            "`--config` override the recipe. `--accelerate_config NAME` is one of `recipes/accelerate_configs/` first "
+            "(`zero3`, `zero3_cpu`, ...: an edit there takes effect), then one of TRL's shipped configs (`zero1`, "
+            "`fsdp1`), or a path. Without an accelerate config (`--accelerate_config`, the recipe's key, or "
             "the default file `accelerate config` writes), it passes `accelerate launch` the values it would otherwise "
             "default to and warn about: one machine, no dynamo, the recipe's mixed precision, and one process where "
             "there is at most one GPU.",
@@ -69,7 +71,11 @@ EXAMPLES = {
             "checkpoints; `tvopd-trl eval` evaluates it merged into its base model and `tvopd-trl push` uploads it. "
             "Without `--dtype`, the student loads in float32 and each teacher in its checkpoint's dtype (or its "
             "`teacher_model_init_kwargs`).",
-            "`accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml` is the same job.",
+            "`accelerate launch -m tvopd_trl.scripts.train --config recipes/tiny/tvopd.yaml` is the same job. Under "
+            "`accelerate launch` (or `python -m`) the launcher's own flags decide the processes: a recipe whose "
+            "`accelerate_config` or `num_processes` asks for another launch (another distributed type or process "
+            "count) is refused before any model loads; run `tvopd-trl train`, launch with the recipe's settings, or "
+            "override the recipe's keys after `--config`.",
             "Every option is described in [config-reference.md](config-reference.md).",
         ],
     ),

@@ -30,7 +30,7 @@ CASES = {
     ),
     "train: an accelerate config": (
         ["train", "--accelerate_config", "zero4"],
-        "'zero4' is neither a file nor one of TRL's accelerate configs.*or ours \\(ddp_cpu",
+        "'zero4' is neither a file nor one of our accelerate configs \\(ddp_cpu.*or TRL's \\(fsdp1",
     ),
     "eval: a missing model": (["eval", "--model", MISSING, "--benchmarks", "aime24"], "is neither a model folder nor"),
     "eval: an unknown benchmark": (

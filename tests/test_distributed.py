@@ -398,7 +398,7 @@ def test_train_refuses_an_accelerate_config_that_does_not_exist_before_launching
         ["--config", str(RECIPE), "--accelerate_config", "nope", "--output_dir", str(tmp_path)], monkeypatch, capsys
     )
     assert code == 2
-    assert "tvopd-trl train: error: --accelerate_config 'nope' is neither a file nor one of TRL's" in err
+    assert "tvopd-trl train: error: --accelerate_config 'nope' is neither a file nor one of our" in err
     assert "zero3" in err and "recipes/accelerate_configs/zero3.yaml" in err
 
 

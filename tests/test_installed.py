@@ -107,6 +107,11 @@ def test_names_work_for_a_study_and_for_our_accelerate_configs(monkeypatch, tmp_
     ours = str(RECIPES_DIR / "accelerate_configs" / "zero3_cpu.yaml")
     for name in ("zero3_cpu", "accelerate_configs/zero3_cpu", "recipes/accelerate_configs/zero3_cpu.yaml"):
         assert _accelerate_launch_args([], ["--accelerate_config", name]) == ["--config_file", ours], name
+    # A name both ship is ours, so that an edit to recipes/accelerate_configs/zero3.yaml takes effect; TRL's others
+    # are still found by name
+    zero3 = str(RECIPES_DIR / "accelerate_configs" / "zero3.yaml")
+    assert _accelerate_launch_args(["--accelerate_config", "zero3"], []) == ["--config_file", zero3]
+    assert _accelerate_launch_args([], ["--accelerate_config", "zero1"])[1].endswith("trl/accelerate_configs/zero1.yaml")
 
 
 # Benchmarks offline, and the wheel

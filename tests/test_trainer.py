@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from tvopd_trl import ADVANTAGE_MODES, TVOPDConfig, TVOPDTrainer, TVScheduleCallback, compute_advantages
 from tvopd_trl.callbacks import LearningRateScaleCallback, UpdateNormCallback
+from tvopd_trl.checkpoints import has_optimizer_state
 from tvopd_trl.testing import build_model, tiny_config
 
 
@@ -450,6 +451,16 @@ def test_resume_inside_a_rollout_batch_refuses_a_checkpoint_it_cannot_continue(m
         make_trainer(tiny_config(tmp_path, max_steps=4, steps_per_generation=2)).train(
             resume_from_checkpoint=str(checkpoint)
         )
+
+
+def test_a_checkpoint_of_the_weights_only_is_refused_for_a_resume(make_trainer, tmp_path):
+    """transformers would resume from it with fresh AdamW moments and the schedule back at its warmup, silently."""
+    args = tiny_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, save_only_model=True)
+    make_trainer(args).train()
+    assert not has_optimizer_state(tmp_path / "checkpoint-2")
+    for checkpoint in (str(tmp_path / "checkpoint-2"), True):  # named, or the last complete one
+        with pytest.raises(ValueError, match=r"holds the weights only .* `save_only_model: false`"):
+            make_trainer(tiny_config(tmp_path, max_steps=4)).train(resume_from_checkpoint=checkpoint)
 
 
 def test_resuming_with_other_scheduler_settings_warns(make_trainer, tmp_path):

@@ -36,6 +36,8 @@ _WEIGHTS = ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # Folders that hold the weights: DeepSpeed's, and FSDP's sharded state dict (transformers' `FSDP_MODEL_NAME`)
 _WEIGHT_FOLDERS = ("global_step*", "pytorch_model_fsdp_*")
+# The optimizer's state as transformers writes it: its own file, DeepSpeed's shards, FSDP's (accelerate's names)
+_OPTIMIZER_STATES = ("optimizer.pt", "global_step*/*optim_states.pt", "optimizer.bin", "optimizer_*")
 
 
 def missing_parts(checkpoint):
@@ -60,6 +62,11 @@ def missing_parts(checkpoint):
     ):
         missing.append("model weights")
     return missing
+
+
+def has_optimizer_state(checkpoint):
+    """Whether `checkpoint` holds the optimizer's state: not where it was saved with `save_only_model`."""
+    return any(glob.glob(os.path.join(checkpoint, pattern)) for pattern in _OPTIMIZER_STATES)
 
 
 def last_complete_checkpoint(output_dir):
@@ -141,6 +148,16 @@ class RolloutCheckpointMixin:
                     f"Cannot resume from {resume_from_checkpoint}: it lacks {', '.join(missing)}. Resume with "
                     "`resume_from_checkpoint=True` (`--resume_from_checkpoint last`) to use the last complete one."
                 )
+        if resume_from_checkpoint is not None and not has_optimizer_state(resume_from_checkpoint):
+            # transformers would load the weights and the step, and go on with fresh AdamW moments and a schedule
+            # restarted at its warmup, without a word
+            raise ValueError(
+                f"Cannot resume from {resume_from_checkpoint}: it holds the weights only (saved with "
+                "`save_only_model: true`, as the paper recipes save their checkpoints for evaluation), not the "
+                "optimizer and scheduler states a resume needs. Set `save_only_model: false` for checkpoints that "
+                "resume exactly, or start a new run from these weights: `--model_name_or_path "
+                f"{resume_from_checkpoint}` (fresh optimizer, schedule and step count)."
+            )
         if resume_from_checkpoint is not None:
             self._load_rollout_state(resume_from_checkpoint)
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)

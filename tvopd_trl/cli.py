@@ -15,7 +15,7 @@
 
 - `tvopd-trl train --config recipe.yaml [accelerate and training flags]`: like `trl sft`, it runs the training script
   through `accelerate launch`; flags the script does not know (e.g. `--num_processes 2`, or `--accelerate_config
-  zero3` for one of TRL's shipped configs) go to accelerate.
+  zero3` for recipes/accelerate_configs/zero3.yaml) go to accelerate.
 - `tvopd-trl eval --model PATH --benchmarks aime24,math500 --k 16`: the paper's evaluation (`tvopd_trl.eval`).
 - `tvopd-trl select RUN_DIR [RUN_DIR ...]`: the paper's checkpoint selection over saved evaluations.
 - `tvopd-trl report --method NAME=RUN_DIR,... --output_dir DIR`: its tables and training curves.
@@ -72,23 +72,28 @@ def _accelerate_launch_args(config_remaining, cli_remaining):
         index = flags.index("--accelerate_config")
         value = flags[index + 1]
         shipped = resources.files("trl.accelerate_configs")
-        if not Path(value).is_file() and not shipped.joinpath(f"{value}.yaml").is_file():
-            # Then one of ours, by name (`zero3_cpu`, `accelerate_configs/zero3_cpu`) or by its repository path.
+        if not Path(value).is_file():
+            # A name is one of ours first (`zero3`, `zero3_cpu`, `accelerate_configs/zero3_cpu`, or its repository
+            # path), so that the recipes' `accelerate_config: zero3` is recipes/accelerate_configs/zero3.yaml, edits
+            # included; then one of TRL's (`zero1`, `fsdp1`).
             try:
                 flags[index + 1] = find_recipe(value if "/" in value else f"accelerate_configs/{value}")
             except FileNotFoundError:
-                # TRL's own message names neither the recipe nor the names it accepts.
-                names = sorted(
-                    entry.name.removesuffix(".yaml") for entry in shipped.iterdir() if entry.name.endswith(".yaml")
-                )
-                ours = [name.split("/")[1] for name in recipe_names() if name.startswith("accelerate_configs/")]
-                source = "the recipe's `accelerate_config`" if index < len(config_remaining) else "--accelerate_config"
-                raise ValueError(
-                    f"{source} {value!r} is neither a file nor one of TRL's accelerate configs ({', '.join(names)}) "
-                    f"or ours ({', '.join(name for name in ours if name not in names)}). Name one of those, or give "
-                    "the path of a YAML file, such as recipes/accelerate_configs/zero3.yaml (a relative path starts "
-                    "from the current directory)."
-                ) from None
+                if not shipped.joinpath(f"{value}.yaml").is_file():
+                    # TRL's own message names neither the recipe nor the names it accepts.
+                    names = sorted(
+                        entry.name.removesuffix(".yaml") for entry in shipped.iterdir() if entry.name.endswith(".yaml")
+                    )
+                    ours = [name.split("/")[1] for name in recipe_names() if name.startswith("accelerate_configs/")]
+                    source = (
+                        "the recipe's `accelerate_config`" if index < len(config_remaining) else "--accelerate_config"
+                    )
+                    raise ValueError(
+                        f"{source} {value!r} is neither a file nor one of our accelerate configs ({', '.join(ours)}) "
+                        f"or TRL's ({', '.join(name for name in names if name not in ours)}). Name one of those, or "
+                        "give the path of a YAML file, such as recipes/accelerate_configs/zero3.yaml (a relative path "
+                        "starts from the current directory)."
+                    ) from None
     return resolve_accelerate_config_argument(flags)
 
 
@@ -172,7 +177,7 @@ class LaunchedCommand(Command):
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from transformers import TrainingArguments
 
-        from .job import check_launch_options
+        from .job import LAUNCHED_BY_CLI, check_launch_options
 
         # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both
         # fail here, on bad input, before any process starts or any model loads.
@@ -185,6 +190,7 @@ class LaunchedCommand(Command):
         script_args = _subtract_subsequence(argv, cli_remaining)
         launch = launch_command_parser().parse_args([*launch_args, "-m", self.module, *script_args])
         _check_parallelism_flags(launch, launch_command_parser().parse_args(["-m", self.module]))
+        os.environ[LAUNCHED_BY_CLI] = "1"  # for the launched processes: the recipe's launch keys are applied
         try:
             launch_command(_fill_launch_defaults(launch, training_args))
         # The launched processes printed their own error (one line, see `tvopd_trl.console`); the launcher's
@@ -193,6 +199,8 @@ class LaunchedCommand(Command):
             return error.returncode
         except ChildFailedError as error:
             return next(iter(error.failures.values())).exitcode
+        finally:
+            del os.environ[LAUNCHED_BY_CLI]
         return 0
 
 

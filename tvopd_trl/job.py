@@ -601,3 +601,42 @@ def check_launch_options(remaining):
             f"Unknown option{'s' * (len(unknown) > 1)} {', '.join(hints)}: neither a training option "
             "(docs/config-reference.md) nor an `accelerate launch` option. Fix the recipe key or the flag."
         )
+
+
+# Set by `tvopd-trl train` in the processes it launches: the recipe's `accelerate launch` keys were applied there
+LAUNCHED_BY_CLI = "TVOPD_TRL_LAUNCHED"
+
+
+def check_recipe_launch(remaining):
+    """A recipe's `accelerate launch` keys (`accelerate_config`, `num_processes`, ...) are applied by `tvopd-trl train`
+    only. In processes started otherwise (`accelerate launch -m tvopd_trl.scripts.train --config RECIPE`, `python -m
+    ...`), a launch that differs from what they ask for is refused rather than trained silently without them."""
+    import os
+
+    from accelerate import PartialState
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DistributedType
+
+    from .cli import _accelerate_launch_args
+
+    if os.environ.get(LAUNCHED_BY_CLI) or not remaining:
+        return
+    asked = launch_command_parser().parse_args([*_accelerate_launch_args(remaining, []), "-m", __name__])
+    state = PartialState()
+    config = load_config_from_file(asked.config_file) if asked.config_file else None
+    processes = asked.num_processes or (config.num_processes if config else None)
+    wanted_type = DistributedType(config.distributed_type) if config else None
+    differences = []
+    if wanted_type is not None and wanted_type != state.distributed_type:
+        differences.append(f"{asked.config_file} is {wanted_type.value}, this launch {state.distributed_type.value}")
+    if processes is not None and processes != state.num_processes:
+        differences.append(f"{processes} processes asked for, {state.num_processes} launched")
+    if differences:
+        raise ValueError(
+            f"The recipe's launch settings ({', '.join(differences)}) are applied by `tvopd-trl train --config RECIPE`, "
+            "not by `accelerate launch` or `python -m`, which would train without them. Run `tvopd-trl train`, "
+            "launch with the same settings (`accelerate launch --config_file ... --num_processes ...`), or state "
+            "this launch's on the command line after --config (`--num_processes 4 --accelerate_config "
+            "recipes/accelerate_configs/multi_gpu.yaml`)."
+        )

@@ -8,6 +8,7 @@ from datasets import Dataset
 
 from tvopd_trl import TVOPDTrainer, tiny
 from tvopd_trl.cli import main as cli
+from tvopd_trl.job import LAUNCHED_BY_CLI, check_recipe_launch
 from tvopd_trl.scripts.train import check_launch_options
 from tvopd_trl.scripts.train import run as train
 from tvopd_trl.testing import build_tokenizer, tiny_config
@@ -102,3 +103,24 @@ def test_an_unknown_recipe_key(tmp_path, capsys):
     assert "--tv_alhpa (did you mean --tv_alpha?)" in capsys.readouterr().err
     # `accelerate launch` options stay allowed in a recipe: `tvopd-trl train` passes them on.
     check_launch_options(["--num_processes", "2", "--mixed_precision", "no", "--accelerate_config", "zero3"])
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ("num_processes: 8\n", r"\(8 processes asked for, 1 launched\)"),
+        ("accelerate_config: zero3\n", r"zero3.yaml is DEEPSPEED, this launch NO, 8 processes asked for"),
+    ],
+)
+def test_a_recipe_s_launch_settings_are_not_dropped_outside_tvopd_trl_train(keys, message, tmp_path, monkeypatch):
+    """`accelerate launch -m tvopd_trl.scripts.train --config RECIPE` (here: one plain process) does not apply the
+    recipe's launch keys: a launch that differs from them is refused, unless `tvopd-trl train` (or the Slurm script)
+    launched it with them."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(open("recipes/tiny/tvopd.yaml").read() + keys)
+    monkeypatch.delenv(LAUNCHED_BY_CLI, raising=False)
+    with pytest.raises(ValueError, match=message + r".* Run `tvopd-trl train`"):
+        train(["--config", str(recipe), "--output_dir", str(tmp_path / "run")])
+    check_recipe_launch(["--num_processes", "1"])  # the launch it asks for
+    monkeypatch.setenv(LAUNCHED_BY_CLI, "1")
+    check_recipe_launch(["--num_processes", "8"])

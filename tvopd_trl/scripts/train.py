@@ -43,6 +43,7 @@ from ..job import (
     apply_model_config,
     check_job_arguments,
     check_launch_options,
+    check_recipe_launch,
     embedded_tools,
     hinted_reference,
     job_parser,
@@ -376,6 +377,7 @@ def run(argv=None):
         args=argv, return_remaining_strings=True
     )
     check_launch_options(remaining)  # `accelerate launch` settings in a recipe are for `tvopd-trl train`
+    check_recipe_launch(remaining)
     main(job_args, training_args, model_args)
     return 0
 
