@@ -11,6 +11,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -424,6 +425,33 @@ def test_train_accelerate_config_flag_overrides_the_recipes(monkeypatch, tmp_pat
     assert cli.main(argv) == 0
     (args,) = launched
     assert args.config_file == str(config) and "--accelerate_config" not in args.training_script_args
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--accelerate_config", "zero3"],
+            r"zero3.yaml's num_processes starts 8 processes on this node, which sees 4",
+        ),
+        (["--num_processes", "8"], r"--num_processes 8 starts 8 processes .* Pass --num_processes 4, and multiply "),
+    ],
+)
+def test_train_refuses_more_processes_than_the_gpus_it_sees(flags, message, monkeypatch, capsys, tmp_path):
+    """docs/vllm.md's trainers on 4 of 8 GPUs: the recipe's zero3 config starts 8 processes (checked with 4 devices
+    pretended, before anything launches)."""
+    import accelerate.commands.launch
+    import torch
+
+    from tvopd_trl import cli
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
+    argv = ["train", "--config", str(RECIPE), *flags, "--output_dir", str(tmp_path)]
+    assert cli.main(argv) == 2 and not launched
+    assert re.search(message, capsys.readouterr().err)
+    assert cli.main([*argv, "--num_processes", "4"]) == 0 and len(launched) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -111,7 +111,9 @@ def test_names_work_for_a_study_and_for_our_accelerate_configs(monkeypatch, tmp_
     # are still found by name
     zero3 = str(RECIPES_DIR / "accelerate_configs" / "zero3.yaml")
     assert _accelerate_launch_args(["--accelerate_config", "zero3"], []) == ["--config_file", zero3]
-    assert _accelerate_launch_args([], ["--accelerate_config", "zero1"])[1].endswith("trl/accelerate_configs/zero1.yaml")
+    assert _accelerate_launch_args([], ["--accelerate_config", "zero1"])[1].endswith(
+        "trl/accelerate_configs/zero1.yaml"
+    )
 
 
 # Benchmarks offline, and the wheel

@@ -127,6 +127,28 @@ def _fill_launch_defaults(launch, training_args):
     return launch
 
 
+def _check_process_count(launch):
+    """Refuses more processes per node than the accelerator devices this node sees: accelerate would start them, and
+    processes would share a GPU (or fail on an index past the last). Nothing is checked without a device."""
+    import torch
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    devices = torch.accelerator.device_count()
+    if devices == 0 or launch.cpu:
+        return
+    config = load_config_from_file(launch.config_file) if launch.config_file else None
+    processes = launch.num_processes or (config.num_processes if config else None)
+    machines = launch.num_machines or (config.num_machines if config else None) or 1
+    if processes is not None and processes > 0 and processes // machines > devices:
+        source = f"--num_processes {processes}" if launch.num_processes else f"{launch.config_file}'s num_processes"
+        raise ValueError(
+            f"{source} starts {processes // machines} processes on this node, which sees {devices} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Pass --num_processes "
+            f"{devices * machines}, and multiply --gradient_accumulation_steps by {processes // (devices * machines) or 1} "
+            "to keep the global batch."
+        )
+
+
 def _check_parallelism_flags(launch, defaults):
     """Refuses `--parallelism_config_*` flags that accelerate would drop without a word: it applies them only over a
     config file's `parallelism_config` section (or with FSDP2's `--use_parallelism_config`), and the run would train
@@ -190,6 +212,7 @@ class LaunchedCommand(Command):
         script_args = _subtract_subsequence(argv, cli_remaining)
         launch = launch_command_parser().parse_args([*launch_args, "-m", self.module, *script_args])
         _check_parallelism_flags(launch, launch_command_parser().parse_args(["-m", self.module]))
+        _check_process_count(launch)
         os.environ[LAUNCHED_BY_CLI] = "1"  # for the launched processes: the recipe's launch keys are applied
         try:
             launch_command(_fill_launch_defaults(launch, training_args))
