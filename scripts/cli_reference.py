@@ -57,6 +57,8 @@ EXAMPLES = {
             "the default file `accelerate config` writes), it passes `accelerate launch` the values it would otherwise "
             "default to and warn about: one machine, no dynamo, the recipe's mixed precision, and one process where "
             "there is at most one GPU.",
+            "`tvopd-trl train --help` lists the job's own options, TV-OPD's and the most used of TRL's and "
+            "transformers'; `--help-all` lists every one.",
             "`--config` takes a file or the name of a recipe that ships with the package (`tvopd-trl recipes` lists "
             "them; a checkout's `recipes/` is that folder, so `recipes/tiny/tvopd.yaml` works from anywhere). Without "
             "`--config`, and without a model, teacher or dataset of its own, the job runs the embedded default, the "

@@ -125,3 +125,17 @@ def test_an_error_in_the_launched_training_process_is_one_line_too(tmp_path):
     ]
     debugged = _tvopd_trl("--debug", "train", *flags, "--eval_problems", "0", cwd=tmp_path)
     assert debugged.returncode != 0 and "Traceback" in debugged.stderr
+
+
+def test_train_help_names_the_launch_and_the_job_s_own_options(capsys):
+    """The inherited options (a thousand lines of them) wait behind `--help-all`."""
+    assert cli.main(["train", "--help"]) == 0
+    short = capsys.readouterr().out
+    for text in ("--config RECIPE", "--accelerate_config", "--num_processes", "goes to `accelerate launch`"):
+        assert text in short, text
+    for option in ("--self_distillation", "--tv_alpha", "--eval_control_benchmark", "--learning_rate", "--use_peft"):
+        assert re.search(rf"^  {option} ", short, re.MULTILINE), option
+    assert "--adam_beta1" not in short and "--eval-k" not in short and len(short.splitlines()) < 300
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["train", "--help-all"])
+    assert exit_status.value.code == 0 and "--adam_beta1" in capsys.readouterr().out

@@ -201,6 +201,13 @@ class LaunchedCommand(Command):
 
         from .job import LAUNCHED_BY_CLI, check_launch_options
 
+        from .job import train_help
+
+        if "--help-all" in argv:
+            argv = ["--help"]
+        elif {"-h", "--help"} & set(argv):
+            print(train_help(self.make_parser()), end="")
+            return 0
         # Parses (and validates) the script's own flags; whatever it does not know goes to `accelerate launch`. Both
         # fail here, on bad input, before any process starts or any model loads.
         *parsed, config_remaining, cli_remaining = self.make_parser().parse_args_and_config(

@@ -254,6 +254,56 @@ class JobParser(RecipeParser):
         return super().parse_args_and_config(args, **kwargs)
 
 
+# The options of TRL and transformers that a recipe sets most, for `tvopd-trl train --help`
+_COMMON_OPTIONS = (
+    "model_name_or_path", "teacher_model_name_or_path", "output_dir", "learning_rate", "max_steps",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "max_completion_length", "temperature", "seed",
+    "bf16", "use_vllm", "vllm_mode", "use_peft", "lora_r", "save_steps", "save_only_model", "resume_from_checkpoint",
+    "report_to",
+)  # fmt: skip
+
+
+def train_help(parser):
+    """`tvopd-trl train --help`: how the command launches, the job's and TV-OPD's own options and the most used of
+    TRL's and transformers' (`--help-all`: all 1,100 lines of them)."""
+    import argparse
+    import copy
+
+    from .config import TVOPDConfig
+
+    formatter = argparse.RawDescriptionHelpFormatter(parser.prog, max_help_position=36)
+    formatter.add_usage(
+        f"{parser.prog} [--config RECIPE] [--accelerate_config NAME_OR_PATH] [--num_processes N] [OPTION ...]",
+        [],
+        [],
+        "usage: ",
+    )
+    formatter.add_text(
+        "Runs the main job (tvopd_trl.scripts.train) through `accelerate launch`. RECIPE is a YAML file or a packaged "
+        "recipe's name (`tvopd-trl recipes` lists them; default: tiny/tvopd); flags after it override its keys. A "
+        "recipe key or flag the job does not know goes to `accelerate launch`: --accelerate_config (one of "
+        "recipes/accelerate_configs/, then of TRL's, or a path), --num_processes, --main_process_port, ... A key or "
+        "flag that is neither is refused. --help-all lists every option; docs/config-reference.md describes them."
+    )
+    # A dataclass's own fields are its annotations (the inherited ones are its bases')
+    sections = [
+        ("the job (MainJobArguments)", list(vars(MainJobArguments)["__annotations__"])),
+        ("TV-OPD (TVOPDConfig)", list(vars(TVOPDConfig)["__annotations__"])),
+        ("most used of TRL's and transformers' options", list(_COMMON_OPTIONS)),
+    ]
+    # Each option once, under its first name (not its dashed alias, nor the `--no_` twin of a boolean)
+    by_dest = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest not in by_dest:
+            by_dest[action.dest] = copy.copy(action)
+            by_dest[action.dest].option_strings = action.option_strings[:1]
+    for title, names in sections:
+        formatter.start_section(title)
+        formatter.add_arguments([by_dest[name] for name in names if name in by_dest])
+        formatter.end_section()
+    return formatter.format_help()
+
+
 def job_parser(*dataclass_types, prog=None):
     """The parser of the main job's recipe and flags (`MainJobArguments`, `TVOPDConfig`, TRL's `ModelConfig`), after a
     command's own `dataclass_types`."""
