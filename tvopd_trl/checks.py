@@ -77,8 +77,8 @@ def check_inputs(args, train_dataset, processing_class, tools, teacher_model, ev
     if (args.use_vllm or served) and not is_vllm_available():
         feature = "use_vllm=True" if args.use_vllm else "teacher_model_server_url"
         raise ImportError(
-            f"{feature} needs vLLM, which is not installed: `pip install tvopd-trl[vllm]` on the training machines, "
-            "or train without it (transformers generation, in-process teacher)."
+            f'{feature} needs vLLM, which is not installed: `pip install -e ".[vllm]"` in the repository on the training '
+            "machines (the README's GPU install), or train without it (transformers generation, in-process teacher)."
         )
     _check_dataset(train_dataset, processing_class)
     _check_batch_layout(args, train_dataset)

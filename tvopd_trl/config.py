@@ -235,7 +235,7 @@ class TVOPDConfig(DistillationConfig):
             vllm-serve` or `vllm serve`), as in TRL's `ServerDistillationConfig`. The teacher then scores each sampled
             token with one prefill request (`VLLMClient.get_sequence_logprobs`) instead of living in the training
             processes, which frees their memory for the student. Pass no `teacher_model` to the trainer then, and
-            `teacher_processing_class` to check the vocabularies. Needs vLLM's client (`pip install tvopd-trl[vllm]`);
+            `teacher_processing_class` to check the vocabularies. Needs vLLM's client (`pip install -e ".[vllm]"`);
             not usable with `advantage_mode="vopd"` or `log_exact_tv`, which need the full next-token distribution.
             A list of URLs (a JSON list on the command line) is a pool of replicas of one teacher server: each
             rollout's scoring is cut into chunks spread over them, and a chunk that a replica fails is retried on

