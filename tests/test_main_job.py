@@ -240,3 +240,15 @@ def test_a_recipes_embedded_task_is_checked(tmp_path):
     )
     with pytest.raises(ValueError, match=r"Unknown `embedded_task` 'multi-teacher'; choose one of addition, multi_"):
         run(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+
+
+def test_a_run_without_an_evaluation_draws_no_empty_accuracy_plot(tmp_path):
+    from tvopd_trl.plots import plot_run
+
+    log_history = [{"step": step, "tv/estimate": 0.3, "tv/ema": 0.3, "tv/scale": 1.0} for step in (1, 2)]
+    written = [os.path.basename(path) for path in plot_run(log_history, [], str(tmp_path))]
+    assert "accuracy.png" not in written and "tv.png" in written
+    assert not (tmp_path / "accuracy.png").exists()
+    (tmp_path / "evaluated").mkdir()
+    written = plot_run(log_history, [(0, 0.2), (2, 0.5)], str(tmp_path / "evaluated"))
+    assert (tmp_path / "evaluated" / "accuracy.png").is_file() and len(written) == 4

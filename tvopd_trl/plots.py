@@ -39,8 +39,9 @@ def _save(figure, output_dir, name):
 
 def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None, reference_label="teacher"):
     """
-    Writes `accuracy.png`, `tv.png`, `update_norm.png` and `advantage_dispersion.png` into `output_dir`: the last
-    three where `log_history` has their metrics (a run of TRL's own trainer, `trl_baseline`, logs none of them).
+    Writes `accuracy.png`, `tv.png`, `update_norm.png` and `advantage_dispersion.png` into `output_dir`: the first
+    where there is an accuracy to draw (not with `eval_problems: 0`), the last three where `log_history` has their
+    metrics (a run of TRL's own trainer, `trl_baseline`, logs none of them).
 
     Args:
         log_history (`list[dict]`): `trainer.state.log_history`.
@@ -53,17 +54,16 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None, r
         `list[str]`: the paths written.
     """
     paths = []
-
-    figure, axis = _subplots()
-    if accuracy_history:
-        steps, accuracy = zip(*accuracy_history, strict=True)
-        axis.plot(steps, accuracy, marker="o", label="student")
-    if teacher_accuracy is not None:
-        axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label=reference_label)
-    axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1.05), title="Student accuracy")
-    if accuracy_history or teacher_accuracy is not None:  # nothing to label when the evaluation is off
+    if accuracy_history or teacher_accuracy is not None:  # without an evaluation there is no curve to draw
+        figure, axis = _subplots()
+        if accuracy_history:
+            steps, accuracy = zip(*accuracy_history, strict=True)
+            axis.plot(steps, accuracy, marker="o", label="student")
+        if teacher_accuracy is not None:
+            axis.axhline(teacher_accuracy, color="tab:green", linestyle="--", label=reference_label)
+        axis.set(xlabel="optimizer step", ylabel="held-out accuracy", ylim=(0, 1.05), title="Student accuracy")
         axis.legend()
-    paths.append(_save(figure, output_dir, "accuracy.png"))
+        paths.append(_save(figure, output_dir, "accuracy.png"))
 
     if not any("tv/estimate" in entry for entry in log_history):
         return paths
