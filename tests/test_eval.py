@@ -1,5 +1,6 @@
 """The evaluation protocol (`tvopd_trl.eval`): benchmarks, grading, mean@k / pass@k, records, callback, CLI."""
 
+import copy
 import json
 import math
 import os
@@ -383,7 +384,7 @@ def test_cli_closes_each_checkpoints_vllm_engine_before_the_next(monkeypatch, mo
 
 def test_vllm_generator_without_vllm_says_what_to_install(monkeypatch, tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=r"tvopd-trl\[vllm\]"):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[vllm\]"'):
         VLLMGenerator("some/model", tokenizer)
 
 
@@ -449,6 +450,22 @@ def test_sampling_defaults_are_the_papers():
         SamplingSettings(k=0)
 
 
+def test_chat_template_kwargs_render_the_prompts_as_training_does(tokenizer):
+    """Qwen3's `enable_thinking`, on a template that reads it: unset, the template's defaults."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}<no-think>"
+        "{% endif %}={% endif %}"
+    )
+    prompt = [{"role": "user", "content": "1+2"}]
+    assert SamplingSettings().prompt_text(tokenizer, prompt) == "1+2="
+    settings = SamplingSettings(chat_template_kwargs={"enable_thinking": False})
+    assert settings.prompt_text(tokenizer, prompt) == "1+2<no-think>="
+    assert settings.to_dict()["chat_template_kwargs"] == {"enable_thinking": False}  # in the records' protocol
+    assert "chat_template_kwargs" not in SamplingSettings().to_dict()  # as records written before it existed
+
+
 # End to end
 
 
@@ -482,6 +499,9 @@ def test_eval_command_evaluates_each_checkpoint_of_a_run_once(tmp_path, capsys):
 
 
 def test_eval_command_reports_bad_input_without_a_traceback(tmp_path, capsys):
+    argv = ["eval", "--model", student_path(), "--benchmarks", "tiny", "--chat_template_kwargs", "thinking"]
+    assert cli_main(argv) == 2
+    assert "--chat_template_kwargs must be a JSON object" in capsys.readouterr().err
     assert cli_main(["eval", "--model", student_path(), "--benchmarks", "tiny,aime2024"]) == 2
     assert "Unknown benchmark 'aime2024'" in capsys.readouterr().err
     assert cli_main(["eval", "--model", str(tmp_path), "--benchmarks", "tiny"]) == 2

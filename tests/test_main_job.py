@@ -252,3 +252,23 @@ def test_a_run_without_an_evaluation_draws_no_empty_accuracy_plot(tmp_path):
     (tmp_path / "evaluated").mkdir()
     written = plot_run(log_history, [(0, 0.2), (2, 0.5)], str(tmp_path / "evaluated"))
     assert (tmp_path / "evaluated" / "accuracy.png").is_file() and len(written) == 4
+
+
+def test_the_evaluation_renders_prompts_with_training_s_chat_template_kwargs(tmp_path):
+    """`chat_template_kwargs` (Qwen3's `enable_thinking`) reach the evaluation's prompts, and its records say so."""
+    flags = ["--max_steps", "1", "--eval_problems", "4", "--eval_k", "1", "--eval_every_steps", "0"]
+    kwargs = '{"enable_thinking": false}'
+    run(
+        [
+            "--config",
+            str(RECIPES / "tvopd.yaml"),
+            "--output_dir",
+            str(tmp_path),
+            *flags,
+            "--chat_template_kwargs",
+            kwargs,
+        ]
+    )
+    for step in (0, 1):
+        results = json.loads((tmp_path / "eval" / "mean@1" / f"step-{step}" / "results.json").read_text())
+        assert results["settings"]["chat_template_kwargs"] == {"enable_thinking": False}

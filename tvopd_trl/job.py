@@ -22,7 +22,7 @@ import contextlib
 import io
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser
@@ -447,9 +447,10 @@ class Accuracy:
     """Benchmark accuracy of a model at the job's evaluation settings: mean@k, or greedy, on each of the job's
     benchmarks (`eval_benchmark`, comma-separated, or the names given as `benchmarks`) and averaged over them."""
 
-    def __init__(self, job_args, tokenizer, benchmarks=None):
+    def __init__(self, job_args, tokenizer, benchmarks=None, chat_template_kwargs=None):
         self.job_args, self.tokenizer = job_args, tokenizer
         self.settings = SamplingSettings(
+            chat_template_kwargs=chat_template_kwargs or None,
             k=job_args.eval_k,
             temperature=job_args.eval_temperature,
             top_p=job_args.eval_top_p,
@@ -470,7 +471,13 @@ class Accuracy:
         (a teacher of another family's) replaces the job's."""
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
         settings = (
-            SamplingSettings(k=1, temperature=0, max_new_tokens=self.settings.max_new_tokens) if greedy else None
+            replace(
+                SamplingSettings(k=1, temperature=0),
+                max_new_tokens=self.settings.max_new_tokens,
+                chat_template_kwargs=self.settings.chat_template_kwargs,
+            )
+            if greedy
+            else None
         )
         generator = local_generator(self.benchmarks, model, tokenizer or self.tokenizer, self.job_args.eval_batch_size)
         results = evaluate(

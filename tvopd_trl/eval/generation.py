@@ -40,7 +40,9 @@ def padded_token_ids(model, tokenizer) -> range:
 @dataclass
 class SamplingSettings:
     """The evaluation's sampling settings; the defaults are the TV-OPD paper's (mean@16 at T=0.6, top-p 0.95,
-    top-k 20, up to 31,744 new tokens). `temperature=0` decodes greedily (all k responses are then the same one)."""
+    top-k 20, up to 31,744 new tokens). `temperature=0` decodes greedily (all k responses are then the same one).
+    `chat_template_kwargs` render the prompts as training's do (TRL's option: `{"enable_thinking": false}` for
+    Qwen3 without its thinking); unset, the chat template's defaults."""
 
     k: int = 16
     temperature: float = PAPER_TEMPERATURE
@@ -48,6 +50,7 @@ class SamplingSettings:
     top_k: int = PAPER_TOP_K
     max_new_tokens: int = PAPER_MAX_NEW_TOKENS
     seed: int = 0
+    chat_template_kwargs: dict | None = None
 
     def __post_init__(self):
         if self.k < 1 or self.max_new_tokens < 1:
@@ -56,7 +59,17 @@ class SamplingSettings:
             raise ValueError(f"Need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p}).")
 
     def to_dict(self):
-        return asdict(self)
+        # Unset, `chat_template_kwargs` is left out: records written before it existed keep their protocol
+        settings = asdict(self)
+        if self.chat_template_kwargs is None:
+            del settings["chat_template_kwargs"]
+        return settings
+
+    def prompt_text(self, tokenizer, prompt):
+        """`prompt` (chat messages) as the text the model continues: its chat template and the generation prompt."""
+        return tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **(self.chat_template_kwargs or {})
+        )
 
 
 class TransformersGenerator:
@@ -81,7 +94,7 @@ class TransformersGenerator:
         was_training, padding_side = model.training, tokenizer.padding_side
         model.eval()
         tokenizer.padding_side = "left"
-        texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        texts = [settings.prompt_text(tokenizer, p) for p in prompts]
         greedy = settings.temperature == 0
         if greedy:
             sampling = dict(do_sample=False)
@@ -192,7 +205,7 @@ class VLLMGenerator:
     def __call__(self, prompts, settings):
         from vllm import SamplingParams
 
-        texts = [self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+        texts = [settings.prompt_text(self.tokenizer, p) for p in prompts]
         # Token ids, not text: vLLM would add the tokenizer's special tokens to a text prompt a second time.
         requests = [
             {"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]} for text in texts

@@ -25,6 +25,7 @@ Each evaluation writes `<benchmark>.jsonl` (one record per response), `results.j
 """
 
 import glob
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class EvalArguments:
         prompt_template (`str`, *optional*):
             User turn with `{problem}` where the problem goes; defaults to each benchmark's own (the paper's
             benchmarks: the problem, then "Please reason step by step, and put your final answer within \\boxed{}.").
+        chat_template_kwargs (`str`, *optional*):
+            A JSON object passed to the chat template, as training's TRL option of that name: `'{"enable_thinking":
+            false}'` evaluates Qwen3 without its thinking (trained so). Unset, the template's defaults (Qwen3 thinks).
         batch_size (`int`, *optional*, defaults to `64`):
             Sequences per `generate` call (transformers backend).
         dtype (`str`, *optional*, defaults to `"auto"`):
@@ -102,6 +106,9 @@ class EvalArguments:
     max_new_tokens: int = field(default=PAPER_MAX_NEW_TOKENS, metadata={"help": "Generation budget per response."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
     prompt_template: str | None = field(default=None, metadata={"help": "User turn with {problem}."})
+    chat_template_kwargs: str | None = field(
+        default=None, metadata={"help": "JSON object for the chat template, e.g. '{\"enable_thinking\": false}'."}
+    )
     batch_size: int = field(default=64, metadata={"help": "Sequences per generate call (transformers)."})
     dtype: str = field(default="auto", metadata={"help": "Weights dtype (auto: vLLM serves float32 in 16 bits)."})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor parallelism."})
@@ -110,6 +117,18 @@ class EvalArguments:
     workers: int = field(default=2, metadata={"help": "Grading processes."})
     grading_timeout: float = field(default=DEFAULT_TIMEOUT_SECONDS, metadata={"help": "Seconds per graded item."})
     save_responses: bool = field(default=False, metadata={"help": "Write full responses into the records."})
+
+
+def _json_object(text, name):
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, such as '{{\"enable_thinking\": false}}' (got {text!r}).")
+    return value
 
 
 def checkpoints(run_dir):
@@ -199,6 +218,7 @@ def main(args):
         top_k=args.top_k,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        chat_template_kwargs=_json_object(args.chat_template_kwargs, "--chat_template_kwargs"),
     )
     names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
     for name in names:  # bad names and files fail before any model is loaded

@@ -66,14 +66,16 @@ def main(job_args, training_args, model_args):
     check_job_arguments(job_args, training_args, model_args)
     servers = training_args.teacher_model_server_url
     student_path, teacher_path, tokenizer, train_dataset = load_job(job_args, training_args, model_args)
-    accuracy = Accuracy(job_args, tokenizer) if job_args.eval_problems > 0 else None
+    # The evaluation renders its prompts as training does (`chat_template_kwargs`: Qwen3's `enable_thinking`)
+    rendering = dict(chat_template_kwargs=training_args.chat_template_kwargs)
+    accuracy = Accuracy(job_args, tokenizer, **rendering) if job_args.eval_problems > 0 else None
     # With `self_distillation` on a task with privileged context: the untrained student's accuracy with it shown is the
     # reference (the teacher's, elsewhere)
     reference = hinted_reference(job_args, training_args)
-    hinted = Accuracy(job_args, tokenizer, benchmarks=[reference]) if reference else None
+    hinted = Accuracy(job_args, tokenizer, benchmarks=[reference], **rendering) if reference else None
     control = None  # what the student could already do, answered greedily before and after (`control_retention`)
     if job_args.eval_control_benchmark and job_args.eval_problems > 0:
-        control = Accuracy(job_args, tokenizer, benchmarks=[job_args.eval_control_benchmark])
+        control = Accuracy(job_args, tokenizer, benchmarks=[job_args.eval_control_benchmark], **rendering)
     local_teachers = teacher_sources = teacher_path
     if servers is not None:
         # `teacher_model_name_or_path` names the served teachers' tokenizers; its other names are local teachers.

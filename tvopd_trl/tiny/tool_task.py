@@ -369,6 +369,8 @@ class ToolLoopGenerator:
                 "The embedded tool task is evaluated in one process; run the job on one process, or set "
                 "`eval_problems: 0` and score the saved model with `tvopd-trl eval --benchmarks tiny-tools`."
             )
+        if settings.chat_template_kwargs:
+            raise ValueError("The embedded tool task's chat template takes no `chat_template_kwargs`: leave them unset.")
         greedy = settings.temperature == 0
         samples = 1 if greedy else settings.k
         sampling = _sampling(greedy, settings.temperature, settings.top_p, settings.top_k)
