@@ -498,6 +498,32 @@ def test_eval_command_evaluates_each_checkpoint_of_a_run_once(tmp_path, capsys):
     assert "already evaluated" in capsys.readouterr().out
 
 
+def test_eval_command_makes_a_run_s_step_0_and_shares_its_checkpoints_out(tmp_path, capsys):
+    """`--student` evaluates the model the run started from as its step 0 (the report's Student row); `--shard i/n`
+    commands, one per GPU, evaluate disjoint checkpoints that cover the run."""
+    model = AutoModelForCausalLM.from_pretrained(student_path())
+    tokenizer = AutoTokenizer.from_pretrained(student_path())
+    for step in (10, 20, 30):
+        model.save_pretrained(tmp_path / f"checkpoint-{step}")
+        tokenizer.save_pretrained(tmp_path / f"checkpoint-{step}")
+    argv = ["eval", "--model", str(tmp_path), "--benchmarks", "tiny", "--k", "1", "--max_new_tokens", "8"]
+    argv += ["--limit", "4"]
+    assert cli_main([*argv, "--shard", "1/2"]) == 0  # steps 20 (and 0, once there is a student)
+    assert "has no step-0 evaluation" in capsys.readouterr().out
+    evaluated = sorted(path.name for path in (tmp_path / "eval" / "mean@1").iterdir())
+    assert evaluated == ["step-20"]
+    assert cli_main([*argv, "--shard", "0/2", "--student", student_path()]) == 0  # steps 0 and 20 of 0, 10, 20, 30
+    evaluated = sorted(path.name for path in (tmp_path / "eval" / "mean@1").iterdir())
+    assert evaluated == ["step-0", "step-20"]
+    assert cli_main([*argv, "--shard", "1/2", "--student", student_path()]) == 0
+    evaluated = sorted(path.name for path in (tmp_path / "eval" / "mean@1").iterdir())
+    assert evaluated == ["step-0", "step-10", "step-20", "step-30"]
+    step0 = json.loads((tmp_path / "eval" / "mean@1" / "step-0" / "results.json").read_text())
+    assert step0["model"] == str(tmp_path)  # the run, as the main job records its own step 0
+    assert cli_main([*argv, "--shard", "2/2"]) == 2
+    assert "--shard is INDEX/COUNT" in capsys.readouterr().err
+
+
 def test_eval_command_reports_bad_input_without_a_traceback(tmp_path, capsys):
     argv = ["eval", "--model", student_path(), "--benchmarks", "tiny", "--chat_template_kwargs", "thinking"]
     assert cli_main(argv) == 2

@@ -1,6 +1,7 @@
 """Checkpoint selection, run aggregation, retention metrics and the report tables, on small synthetic runs."""
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -209,6 +210,13 @@ def test_select_and_report_commands(tmp_path, capsys):
     # With every observation kept, step 75 of the TV runs counts.
     assert cli_main([*argv, "--horizon", "all", "--output_dir", str(tmp_path / "all")]) == 0
     assert json.loads((tmp_path / "all" / "report.json").read_text())["horizon"].startswith("all observations kept")
+
+    # Runs without a step-0 evaluation: the Student row is left out, and the report says how to make it
+    for step_0 in (tmp_path / name / "eval" / "mean@4" / "step-0" for name in runs):
+        shutil.rmtree(step_0)
+    assert cli_main([*argv, "--output_dir", str(tmp_path / "no_student")]) == 0
+    assert "leave out the Student row" in capsys.readouterr().out
+    assert "| Student |" not in (tmp_path / "no_student" / "main_results.md").read_text()
 
 
 def test_report_errors_without_evaluations(tmp_path, capsys):

@@ -57,6 +57,12 @@ class EvalArguments:
             Evaluate only the first `limit` problems of each benchmark.
         output_dir (`str`, *optional*):
             Where a single model's evaluation is written. Defaults to `eval/<model name>`.
+        student (`str`, *optional*):
+            With a run directory: the model the run started from, evaluated as its step 0 (`<run>/eval/mean@<k>/
+            step-0/`), the "Student" row of `tvopd-trl report`. The main job writes it itself when it evaluates.
+        shard (`str`, *optional*):
+            `INDEX/COUNT`: with a run directory, only every COUNT-th of its checkpoints (step 0 included), from the
+            INDEX-th (0-based): COUNT commands, one per GPU, evaluate a run between them (docs/first-real-run.md).
 
         > Parameters that control generation
 
@@ -98,6 +104,8 @@ class EvalArguments:
     )
     limit: int | None = field(default=None, metadata={"help": "First N problems of each benchmark only."})
     output_dir: str | None = field(default=None, metadata={"help": "Output folder of a single model's evaluation."})
+    student: str | None = field(default=None, metadata={"help": "With a run: the model it started from (step 0)."})
+    shard: str | None = field(default=None, metadata={"help": "INDEX/COUNT: with a run, every COUNT-th checkpoint."})
     backend: str = field(default="auto", metadata={"help": "transformers, vllm or auto."})
     k: int = field(default=16, metadata={"help": "Samples per problem (mean@k)."})
     temperature: float = field(default=PAPER_TEMPERATURE, metadata={"help": "Sampling temperature (0: greedy)."})
@@ -129,6 +137,16 @@ def _json_object(text, name):
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, such as '{{\"enable_thinking\": false}}' (got {text!r}).")
     return value
+
+
+def _shard(text):
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise ValueError(f"--shard is INDEX/COUNT with 0 <= INDEX < COUNT, such as 0/8 (got {text!r}).")
+    return index, count
 
 
 def checkpoints(run_dir):
@@ -235,9 +253,24 @@ def main(args):
         )
     # What an evaluation folder records as the evaluated model: the run for a run's checkpoints (the step folder says
     # which one; `BenchmarkEvalCallback` does the same), else the model as named.
+    if (args.student or args.shard) and not run_checkpoints:
+        raise ValueError(
+            f"--student and --shard go with a run directory (checkpoint-<N> folders); {args.model} is not one."
+        )
     if run_checkpoints:
         run = os.path.abspath(args.model)
-        targets = [(path, step_dir(args.model, step, args.k), run) for step, path in run_checkpoints.items()]
+        if args.student:
+            run_checkpoints = {0: args.student, **run_checkpoints}
+        elif not os.path.isfile(os.path.join(step_dir(args.model, 0, args.k), "results.json")):
+            print(
+                f"{args.model} has no step-0 evaluation (the model it started from), which `tvopd-trl report` shows as "
+                "its Student row: add --student MODEL to make it."
+            )
+        steps = list(run_checkpoints)
+        if args.shard:
+            index, count = _shard(args.shard)
+            steps = steps[index::count]
+        targets = [(run_checkpoints[step], step_dir(args.model, step, args.k), run) for step in steps]
     else:
         model_id = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
         output_dir = args.output_dir or os.path.join(

@@ -147,6 +147,11 @@ def report(args):
                 student = {
                     "Student": {**scores, "avg": sum(scores[n] for n in args.benchmarks) / len(args.benchmarks)}
                 }
+    if student is None:
+        print(
+            "No run has a step-0 evaluation of every benchmark: the tables leave out the Student row. `tvopd-trl eval "
+            "--model RUN --student MODEL` makes it (MODEL: the model the run started from)."
+        )
     columns = [*args.benchmarks, "avg"]
     k = args.k or evaluated_ks(next(iter(methods.values()))[0])[0]  # `load_run` has checked there is only one
     caption = (
