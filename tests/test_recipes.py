@@ -40,7 +40,7 @@ SERVED_TEACHER_KEYS = {"teacher_model_server_url", "teacher_model_server_timeout
 # ... and the sequence-parallel recipes in their accelerate config, the batch layout that keeps 64 prompts per step over
 # SP groups, and the attention implementation Ulysses wraps; `<name>_<n>k.yaml` in its response length (n x 1024).
 SEQUENCE_PARALLEL_KEYS = {"accelerate_config", "per_device_train_batch_size", "gradient_accumulation_steps"}
-SEQUENCE_PARALLEL_KEYS |= {"attn_implementation"}
+SEQUENCE_PARALLEL_KEYS |= {"attn_implementation", "parallelism_config_dp_shard_size"}
 LONGER_RESPONSE_KEYS = {"max_completion_length"}
 
 
@@ -135,8 +135,8 @@ def sp_size(accelerate_config):
 
 
 def response_length(path):
-    """`<name>_<n>k.yaml` samples responses of up to n x 1024 tokens; the paper's recipes, 16,384."""
-    match = re.search(r"_(\d+)k$", path.stem)
+    """`<name>_<n>k[_<engine>].yaml` samples responses of up to n x 1024 tokens; the paper's recipes, 16,384."""
+    match = re.search(r"_(\d+)k(?:_|$)", path.stem)
     return int(match.group(1)) * 1024 if match else 16384
 
 
@@ -145,6 +145,8 @@ def prompts_per_step(recipe):
     accelerate_config = accelerate_config_of(recipe)
     processes = recipe.get("num_processes", accelerate_config["num_processes"])
     replicas = processes // sp_size(accelerate_config)
+    shards = recipe.get("parallelism_config_dp_shard_size")
+    assert shards in (None, replicas), "a recipe's dp_shard_size must be its SP groups"
     return recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * replicas
 
 

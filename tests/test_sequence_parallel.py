@@ -391,3 +391,33 @@ def test_train_refuses_sp_flags_that_accelerate_would_drop(monkeypatch, capsys, 
         assert "recipes/accelerate_configs/zero3_sp.yaml" in error
     else:
         assert code == 0 and launched[0].parallelism_config_sp_size == 2
+
+
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--num_processes", "4"], "(dp_shard 1, sp 2: 2 processes) does not match the 4 processes launched"),
+        (["--num_processes", "4", "--parallelism_config_dp_shard_size", "2"], None),
+        (["--parallelism_config_dp_shard_size", "2"], "(dp_shard 2, sp 2: 4 processes) does not match the 2"),
+    ],
+)
+def test_train_checks_the_parallelism_layout_against_the_processes_before_launching(
+    monkeypatch, capsys, tmp_path, flags, refused
+):
+    """accelerate would find out only once the processes run, after the models load (zero3_sp_cpu: 2 processes,
+    sp 2)."""
+    import accelerate.commands.launch
+
+    from tvopd_trl import cli
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    recipe = str(REPO / "recipes" / "tiny" / "tvopd.yaml")
+    argv = ["train", "--config", recipe, "--accelerate_config", "zero3_sp_cpu", *flags, "--output_dir", str(tmp_path)]
+    code = cli.main(argv)
+    if refused:
+        assert code == 2 and not launched
+        error = capsys.readouterr().err
+        assert refused in error and "--parallelism_config_dp_shard_size" in error
+    else:
+        assert code == 0 and len(launched) == 1

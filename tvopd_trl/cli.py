@@ -34,6 +34,7 @@ status 2; `tvopd-trl --debug COMMAND ...` or `TVOPD_TRL_DEBUG=1` shows its trace
 """
 
 import importlib
+import math
 import os
 import sys
 
@@ -161,10 +162,27 @@ def _check_parallelism_flags(launch, defaults):
         for name, value in vars(launch).items()
         if name.startswith("parallelism_config_") and value != getattr(defaults, name)
     ]
+    path = launch.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    config = load_config_from_file(path) if path is not None else None
+    if config is not None and config.parallelism_config:
+        # accelerate checks the layout against the processes only once they run, after the models load
+        settings = {**config.parallelism_config, **{name: getattr(launch, name) for name in given}}
+        sizes = {"dp_shard": 1, "sp": 1}
+        for name, value in settings.items():
+            if name.endswith("_size") and (value != 1 or name.removeprefix("parallelism_config_")[:-5] in sizes):
+                sizes[name.removeprefix("parallelism_config_").removesuffix("_size")] = value
+        product = math.prod(sizes.values())
+        processes = launch.num_processes or config.num_processes
+        if processes and product != processes:
+            layout = ", ".join(f"{name} {size}" for name, size in sizes.items())
+            raise ValueError(
+                f"The parallelism layout ({layout}: {product} processes) does not match the {processes} processes "
+                f"launched. Make their product the process count: with sp {sizes['sp']}, "
+                f"--parallelism_config_dp_shard_size {processes // sizes['sp']} (docs/scaling.md, section 10)."
+            )
     if not given or launch.use_parallelism_config:
         return
-    path = launch.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    if path is None or not load_config_from_file(path).parallelism_config:
+    if config is None or not config.parallelism_config:
         raise ValueError(
             f"--{given[0]} is applied by accelerate only over a config file's `parallelism_config` section, which "
             f"{path or 'the launch'} lacks: it would train without it. Launch with a config that has one, such as "
