@@ -1,5 +1,9 @@
 """The embedded default pair (`tvopd_trl.tiny`): shipped checkpoints, splits, grading and a quick accuracy smoke."""
 
+import copy
+import re
+import warnings
+
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,3 +71,17 @@ def test_shipped_pair_meets_the_accuracy_bounds_on_the_whole_held_out_split(pair
     teacher = evaluate_accuracy(*pair["teacher"], "test", k=4)
     student = evaluate_accuracy(*pair["student"], "test", k=4)
     assert teacher >= 0.9 and student <= 0.4, (teacher, student)
+
+
+def test_a_student_that_ends_with_another_eos_than_its_teacher_is_warned_about(pair):
+    """A base student beside its instruct teacher (Qwen3-8B-Base: `<|endoftext|>`, Qwen3-8B: `<|im_end|>`) shares
+    their ids, but its rollouts would stop at its own EOS only."""
+    teacher_tokenizer = pair["teacher"][1]
+    student_tokenizer = copy.deepcopy(pair["student"][1])
+    other = next(token for token in student_tokenizer.all_special_tokens if token != student_tokenizer.eos_token)
+    student_tokenizer.eos_token = other
+    with pytest.warns(UserWarning, match=rf"ends its responses with '{re.escape(other)}'.* `eos_token`"):
+        assert check_shared_vocabulary(student_tokenizer, teacher_tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_shared_vocabulary(pair["student"][1], teacher_tokenizer)

@@ -13,6 +13,7 @@
 # limitations under the License.
 
 import heapq
+import warnings
 
 from transformers import PreTrainedTokenizerBase
 
@@ -29,7 +30,7 @@ def check_shared_vocabulary(
     `cross_tokenizer` (the config's) lets the teacher score its own tokenization of the text instead.
 
     Which special token plays which role may differ (a base model's EOS can be `<|endoftext|>` where its instruct
-    teacher's is `<|im_end|>`): only the ids matter.
+    teacher's is `<|im_end|>`): only the ids matter, but different EOS tokens get a warning that names the fix.
     """
     student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
     same_vocab = student_vocab == teacher_vocab
@@ -53,6 +54,16 @@ def check_shared_vocabulary(
                     f"special token {token!r} of the {name} has id {tokenizer.convert_tokens_to_ids(token)}"
                     f" there but {other_vocab.get(token)} in the other tokenizer"
                 )
+    if not problems and student.eos_token != teacher.eos_token:
+        # A base student beside its instruct teacher: it ends its text where the teacher's turns go on, and a rollout
+        # stops at the student's EOS only
+        warnings.warn(
+            f"The student ends its responses with {student.eos_token!r}, the teacher its turns with "
+            f"{teacher.eos_token!r}: a base student before its SFT? Its rollouts stop only at {student.eos_token!r}. "
+            f"Fine-tune it first with {teacher.eos_token!r} as its EOS (recipes/qwen3-8b_to_qwen3-8b-sft/sft.yaml: "
+            "`eos_token`), or save its tokenizer and generation config with that EOS.",
+            stacklevel=3,
+        )
     if problems and not cross_tokenizer:
         raise ValueError(
             "The teacher and the student must share one tokenizer, but " + "; ".join(problems) + ". Set "
