@@ -367,6 +367,9 @@ def test_evaluate_never_touches_the_scheduler(make_trainer, prompts, tmp_path):
     metrics = trainer.evaluate()
     assert trainer._tv_scheduler.state_dict() == state
     assert math.isfinite(metrics["eval_loss"]) and 0 <= metrics["eval_tv/estimate"] <= 1
+    assert metrics["eval_tv/acceptance"] == pytest.approx(1 - metrics["eval_tv/estimate"], abs=1e-12)
+    logged = [entry for entry in trainer.state.log_history if "tv/estimate" in entry and "loss" in entry]
+    assert logged and all(entry["tv/acceptance"] == pytest.approx(1 - entry["tv/estimate"]) for entry in logged)
 
 
 def test_resume_reproduces_the_scheduler_and_the_logged_tv_values(make_trainer, tmp_path):

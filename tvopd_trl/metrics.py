@@ -21,6 +21,16 @@ import torch
 from .advantages import LOG_FLOAT32_TINY
 
 
+def log_tv_estimate(metrics, tv_sum: float, tokens: float) -> None:
+    """Appends the step's pooled TV estimate (`tv/estimate`, the weighted sum of [1 - exp(delta)]_+ over its `tokens`)
+    and `tv/acceptance`, 1 minus it: the student's estimated acceptance rate as a speculative-sampling draft of the
+    teacher at the rollouts' sampling settings (a token is accepted with probability min(1, p_teacher / p_student), whose
+    expectation under the student is 1 - TV). NaN for a step without tokens."""
+    estimate = tv_sum / tokens if tokens > 0 else float("nan")
+    metrics["tv/estimate"].append(estimate)
+    metrics["tv/acceptance"].append(1.0 - estimate)
+
+
 def advantage_dispersion(abs_delta: torch.Tensor) -> dict[str, float]:
     """
     Median, p99 and max of |delta| over a flat set of active tokens, and the share of the squared energy sum(delta^2)

@@ -38,7 +38,7 @@ from .checks import (
 )
 from .config import TVOPDConfig
 from .delta import TokenDelta
-from .metrics import StepStatistics
+from .metrics import StepStatistics, log_tv_estimate
 from .model_card import add_run_section
 from .rewards import RewardScoringMixin, resolve_reward_funcs
 from .rollout_batching import RolloutBatchingMixin
@@ -575,7 +575,7 @@ class TVOPDTrainer(
             elif not in_rollout:
                 statistics.log(self.accelerator, self._metrics[mode], dispersion=False)
                 u, n = self.accelerator.reduce(tv.sum(dim=0)[:2], reduction="sum").tolist()
-                self._metrics[mode]["tv/estimate"].append(u / n if n > 0 else float("nan"))
+                log_tv_estimate(self._metrics[mode], u, n)
 
         return (loss, None) if return_outputs else loss
 
@@ -635,7 +635,7 @@ class TVOPDTrainer(
                 f"Step {self.state.global_step + 1}: the rollout batch has no active token (every completion is empty, "
                 "masked or non-finite). The loss is 0 and the TV scheduler keeps its state."
             )
-        metrics["tv/estimate"].append(u / n if n > 0 else float("nan"))
+        log_tv_estimate(metrics, u, n)
         if self._needs_exact_divergences:
             metrics["tv/exact"].append(exact / n if n > 0 else float("nan"))
         if self.per_teacher_scale:
