@@ -44,7 +44,7 @@ SEQUENCE_PARALLEL_KEYS |= {"attn_implementation", "parallelism_config_dp_shard_s
 LONGER_RESPONSE_KEYS = {"max_completion_length"}
 # ... and a LoRA recipe in its adapter, its learning rate and its one process (`<name>_lora.yaml`)
 LORA_KEYS = {"use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "dtype", "learning_rate"}
-LORA_KEYS |= {"accelerate_config", "gradient_accumulation_steps"}
+LORA_KEYS |= {"accelerate_config", "per_device_train_batch_size"}
 
 
 def load(path):

@@ -58,8 +58,9 @@ class EvalArguments:
         output_dir (`str`, *optional*):
             Where a single model's evaluation is written. Defaults to `eval/<model name>`.
         student (`str`, *optional*):
-            With a run directory: the model the run started from, evaluated as its step 0 (`<run>/eval/mean@<k>/
-            step-0/`), the "Student" row of `tvopd-trl report`. The main job writes it itself when it evaluates.
+            With a run directory: the model the run started from, evaluated as its step 0
+            (`<run>/eval/mean@<k>/step-0/`), the "Student" row of `tvopd-trl report`. The main job writes it itself
+            when it evaluates.
         shard (`str`, *optional*):
             `INDEX/COUNT`: with a run directory, only every COUNT-th of its checkpoints (step 0 included), from the
             INDEX-th (0-based): COUNT commands, one per GPU, evaluate a run between them (docs/first-real-run.md).

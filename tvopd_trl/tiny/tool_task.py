@@ -370,7 +370,9 @@ class ToolLoopGenerator:
                 "`eval_problems: 0` and score the saved model with `tvopd-trl eval --benchmarks tiny-tools`."
             )
         if settings.chat_template_kwargs:
-            raise ValueError("The embedded tool task's chat template takes no `chat_template_kwargs`: leave them unset.")
+            raise ValueError(
+                "The embedded tool task's chat template takes no `chat_template_kwargs`: leave them unset."
+            )
         greedy = settings.temperature == 0
         samples = 1 if greedy else settings.k
         sampling = _sampling(greedy, settings.temperature, settings.top_p, settings.top_k)
