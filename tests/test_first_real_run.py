@@ -110,7 +110,7 @@ def test_the_doctor_checks_the_pair_before_any_gpu_hour(smollm2_dir):
     (doctor,) = block("doctor")
     args, _ = tvopd_trl_args(doctor)
     stand_in = ["--model_name_or_path", smollm2_dir, "--teacher_model_name_or_path", smollm2_dir]
-    stand_in += ["--dataset_name", str(DAPO_SAMPLE), "--max_completion_length", "32", *CPU]
+    stand_in += ["--dataset_name", str(DAPO_SAMPLE), "--doctor_prompts", "4", "--doctor_max_completion_length", "8", *CPU]
     assert cli([*args, *stand_in]) == 0
 
 
