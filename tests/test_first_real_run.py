@@ -1,8 +1,8 @@
 """docs/first-real-run.md, command by command, in its CPU form: each `tvopd-trl train` up to `accelerate launch` with
 the GPUs the command assumes pretended (the recipe parsed and checked, the launch it would start compared with the
 page's words), the server's command line as it would start on CUDA, and the doctor, the evaluation, the selection, the
-report and the push run for real on CPU stand-ins (SmolLM2-135M-Instruct for the doctor's pair; the embedded tiny
-student's checkpoints, and a LoRA adapter of it, for the runs; a local stand-in of the Hub)."""
+report and the push run for real on CPU stand-ins (the embedded tiny pair for the doctor; the tiny student's
+checkpoints, and a LoRA adapter of it, for the runs; a local stand-in of the Hub)."""
 
 import json
 import re
@@ -105,13 +105,15 @@ def test_the_server_command_is_tensor_parallel_over_four_gpus():
     assert env == {"VLLM_SERVER_DEV_MODE": "1"}
 
 
-@pytest.mark.long  # the real model, loaded twice
-def test_the_doctor_checks_the_pair_before_any_gpu_hour(smollm2_dir):
+def test_the_doctor_checks_the_pair_before_any_gpu_hour():
+    """On the embedded pair (one tokenizer, as the paper's): the recipe's checks pass with the page's dtype."""
+    from tvopd_trl.tiny import teacher_path
+
     (doctor,) = block("doctor")
     args, _ = tvopd_trl_args(doctor)
-    stand_in = ["--model_name_or_path", smollm2_dir, "--teacher_model_name_or_path", smollm2_dir]
-    stand_in += ["--dataset_name", str(DAPO_SAMPLE), "--doctor_prompts", "4", "--doctor_max_completion_length", "8", *CPU]
-    assert cli([*args, *stand_in]) == 0
+    stand_in = ["--model_name_or_path", student_path(), "--teacher_model_name_or_path", teacher_path()]
+    stand_in += ["--dataset_name", str(DAPO_SAMPLE), "--doctor_prompts", "4", "--doctor_max_completion_length", "8"]
+    assert cli([*args, *stand_in, *CPU]) == 0
 
 
 def _run_with_checkpoints(folder, adapter=False):

@@ -55,7 +55,9 @@ def _main_job(tmp_path, config, *flags, recipe="tvopd"):
 
 @pytest.mark.long
 def test_the_main_job_with_sp_closes_half_the_gap(tmp_path):
-    summary, _ = _main_job(tmp_path, SP_CONFIG)
+    # Its first 150 of 300 steps: TV-OPD on this pair stands at 0.79-0.81 there, 69-71% of the gap (results/tiny/,
+    # three seeds; SP computes the same updates as data parallelism, the tests above)
+    summary, _ = _main_job(tmp_path, SP_CONFIG, "--max_steps", "150")
     assert summary["gap_closed"] >= 0.5, summary
 
 
