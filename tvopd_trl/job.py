@@ -146,7 +146,10 @@ class MainJobArguments:
         eval_batch_size (`int`, *optional*, defaults to `512`):
             Sequences generated at once by the evaluation.
         eval_teacher (`bool`, *optional*, defaults to `True`):
-            Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead.
+            Evaluate the teacher too. A grid of runs that share one teacher evaluates it once instead. With a live
+            self-teacher (`self_distillation: live`), the teacher at the end: the trained student with its teacher
+            prompt (`student_accuracy_hinted_after`); a frozen one is the step-0 student, always evaluated as the
+            reference.
         trl_baseline (`bool`, *optional*, defaults to `False`):
             Train with TRL's own `DistillationTrainer` instead, for comparison: its full-vocabulary divergence (reverse
             KL, `beta=1`) on the same on-policy rollouts, batch, lengths and optimizer, a `teacher_prompt` read by its

@@ -496,12 +496,14 @@ def analyze_against_teacher(study, results):
         "control_accuracy_after": "Control, after",
         "control_retention": "Control kept",
     }
-    header |= {key: title for key, title in extra.items() if all(key in summary for summary in summaries)}
+    # A column where some method has it (a live self-teacher's prompted accuracy after training; a frozen one has none)
+    header |= {key: title for key, title in extra.items() if any(key in summary for summary in summaries)}
     header["minutes"] = "Wall time (min)"
     for method, runs in results.items():
         row = rows[study.methods[method]["name"]]
         for key in header.keys() & extra.keys():
-            row[key] = _aggregate(r["summary"][key] for r in runs)
+            if all(key in r["summary"] for r in runs):
+                row[key] = _aggregate(r["summary"][key] for r in runs)
         # minutes, divided by the table's percent scale
         row["minutes"] = _aggregate(r["summary"]["wall_seconds"] / 6000 for r in runs)
     fixed = {
@@ -509,7 +511,9 @@ def analyze_against_teacher(study, results):
         "Student (step 0)": {"selected": student, "final": student},
     }
     if "control_accuracy_after" in header:  # the control benchmark before training, in its column
-        before = _aggregate(summary["control_accuracy_before"] for summary in summaries)
+        before = _aggregate(
+            summary["control_accuracy_before"] for summary in summaries if "control_accuracy_before" in summary
+        )
         fixed["Student (step 0)"]["control_accuracy_after"] = before
     table = format_table(rows, list(header), header=header, lower_is_better=("peak_drop", "minutes"), fixed_rows=fixed)
     window = list(_steps(analysis["late_window"]))

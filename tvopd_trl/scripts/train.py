@@ -193,7 +193,9 @@ def main(job_args, training_args, model_args):
                 curves.append((final_step, scores["student_accuracy_after"]))
                 tools["after"] = accuracy.tools
             scores["student_accuracy_after_greedy"] = accuracy.scores(student, greedy=True, **sharded)
-            if hinted is not None:  # whether the student (the live teacher) still reads the hint
+            # The live teacher at the end: the trained student with its teacher prompt (a frozen one is the step-0
+            # student, evaluated above)
+            if hinted is not None and training_args.self_distillation == "live" and job_args.eval_teacher:
                 scores.update(_hinted_scores(hinted, accuracy, student, "student_accuracy_hinted_after", sharded))
             if control is not None:
                 after_dir = _control_dir(out, final_step)
