@@ -335,7 +335,8 @@ def _summary_table(summary):
     if "student_accuracy_hinted" in summary:  # self-distillation: the reference is the student with its teacher prompt
         for label, key in (("with its teacher prompt, before", ""), ("with its teacher prompt, after", "_after")):
             hinted = f"student_accuracy_hinted{key}"
-            table.add_row(label, fmt(summary.get(hinted)), fmt(summary.get(f"{hinted}_greedy")))
+            if hinted in summary:  # after: a live teacher's only
+                table.add_row(label, fmt(summary[hinted]), fmt(summary.get(f"{hinted}_greedy")))
     else:
         table.add_row("teacher", fmt(summary.get("teacher_accuracy")), fmt(summary.get("teacher_accuracy_greedy")))
     if "tool_call_frequency_before" in summary:  # a tool loop's evaluation: how often the student calls, at mean@k
