@@ -169,8 +169,9 @@ def _check_parallelism_flags(launch, defaults):
         settings = {**config.parallelism_config, **{name: getattr(launch, name) for name in given}}
         sizes = {"dp_shard": 1, "sp": 1}
         for name, value in settings.items():
-            if name.endswith("_size") and (value != 1 or name.removeprefix("parallelism_config_")[:-5] in sizes):
-                sizes[name.removeprefix("parallelism_config_").removesuffix("_size")] = value
+            dimension = name.removeprefix("parallelism_config_").removesuffix("_size")
+            if name.endswith("_size") and (value != 1 or dimension in sizes):
+                sizes[dimension] = value
         product = math.prod(sizes.values())
         processes = launch.num_processes or config.num_processes
         if processes and product != processes:
@@ -217,9 +218,7 @@ class LaunchedCommand(Command):
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from transformers import TrainingArguments
 
-        from .job import LAUNCHED_BY_CLI, check_launch_options
-
-        from .job import train_help
+        from .job import LAUNCHED_BY_CLI, check_launch_options, train_help
 
         if "--help-all" in argv:
             argv = ["--help"]

@@ -22,7 +22,7 @@ import contextlib
 import io
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 from trl import ModelConfig, TrlParser
@@ -474,8 +474,9 @@ class Accuracy:
         (a teacher of another family's) replaces the job's."""
         # Seeded, under a forked RNG: the training run's random stream is left untouched.
         settings = (
-            replace(
-                SamplingSettings(k=1, temperature=0),
+            SamplingSettings(
+                k=1,
+                temperature=0,
                 max_new_tokens=self.settings.max_new_tokens,
                 chat_template_kwargs=self.settings.chat_template_kwargs,
             )
@@ -671,8 +672,6 @@ def check_recipe_launch(remaining):
     """A recipe's `accelerate launch` keys (`accelerate_config`, `num_processes`, ...) are applied by `tvopd-trl train`
     only. In processes started otherwise (`accelerate launch -m tvopd_trl.scripts.train --config RECIPE`, `python -m
     ...`), a launch that differs from what they ask for is refused rather than trained silently without them."""
-    import os
-
     from accelerate import PartialState
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
