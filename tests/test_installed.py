@@ -99,19 +99,19 @@ def test_recipes_lists_and_prints_the_packaged_ones(capsys):
 
 
 def test_names_work_for_a_study_and_for_our_accelerate_configs(monkeypatch, tmp_path):
-    from tvopd_trl.cli import _accelerate_launch_args
+    from tvopd_trl.job import accelerate_launch_args
     from tvopd_trl.study import load_study
 
     monkeypatch.chdir(tmp_path)
     assert load_study("tiny/study_smoke").recipe == "recipes/tiny/tvopd.yaml"  # resolved by the runs' own parser
     ours = str(RECIPES_DIR / "accelerate_configs" / "zero3_cpu.yaml")
     for name in ("zero3_cpu", "accelerate_configs/zero3_cpu", "recipes/accelerate_configs/zero3_cpu.yaml"):
-        assert _accelerate_launch_args([], ["--accelerate_config", name]) == ["--config_file", ours], name
+        assert accelerate_launch_args([], ["--accelerate_config", name]) == ["--config_file", ours], name
     # A name both ship is ours, so that an edit to recipes/accelerate_configs/zero3.yaml takes effect; TRL's others
     # are still found by name
     zero3 = str(RECIPES_DIR / "accelerate_configs" / "zero3.yaml")
-    assert _accelerate_launch_args(["--accelerate_config", "zero3"], []) == ["--config_file", zero3]
-    assert _accelerate_launch_args([], ["--accelerate_config", "zero1"])[1].endswith(
+    assert accelerate_launch_args(["--accelerate_config", "zero3"], []) == ["--config_file", zero3]
+    assert accelerate_launch_args([], ["--accelerate_config", "zero1"])[1].endswith(
         "trl/accelerate_configs/zero1.yaml"
     )
 

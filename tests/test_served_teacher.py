@@ -283,7 +283,7 @@ def test_served_teacher_bad_configurations(tmp_path, model_dirs):
     with pytest.raises(ValueError, match="not both"):
         TVOPDTrainer(model="does/not/exist", teacher_model=model_dirs["teacher"], args=args)
     # Without vLLM installed (as here), the error comes before any model loads.
-    with pytest.raises(ImportError, match=r"teacher_model_server_url needs vLLM.*tvopd-trl\[vllm\]"):
+    with pytest.raises(ImportError, match=r'teacher_model_server_url needs vLLM.*pip install -e "\.\[vllm\]"'):
         TVOPDTrainer(model="does/not/exist", args=args)
     with pytest.raises(ImportError, match=r"use_vllm=True needs vLLM"):
         TVOPDTrainer(model="does/not/exist", teacher_model="also/missing", args=tiny_config(tmp_path, use_vllm=True))

@@ -53,51 +53,6 @@ def _subtract_subsequence(items, subsequence):
     return kept
 
 
-def _accelerate_launch_args(config_remaining, cli_remaining):
-    """`accelerate launch` flags: the recipe's and the command line's keys that the script does not know, with
-    `--accelerate_config NAME_OR_PATH` turned into `--config_file PATH`. Fails on a config that does not exist."""
-    import importlib.resources as resources
-    from pathlib import Path
-
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
-
-    from .packaged_recipes import find_recipe, recipe_names
-
-    if "--accelerate_config" in config_remaining and "--accelerate_config" in cli_remaining:
-        # The command line wins over the recipe, as for every other key (TRL would resolve the recipe's value and
-        # leave the flag to `accelerate launch`, which rejects it).
-        index = config_remaining.index("--accelerate_config")
-        config_remaining = config_remaining[:index] + config_remaining[index + 2 :]
-    flags = config_remaining + cli_remaining
-    if "--accelerate_config" in flags[:-1]:
-        index = flags.index("--accelerate_config")
-        value = flags[index + 1]
-        shipped = resources.files("trl.accelerate_configs")
-        if not Path(value).is_file():
-            # A name is one of ours first (`zero3`, `zero3_cpu`, `accelerate_configs/zero3_cpu`, or its repository
-            # path), so that the recipes' `accelerate_config: zero3` is recipes/accelerate_configs/zero3.yaml, edits
-            # included; then one of TRL's (`zero1`, `fsdp1`).
-            try:
-                flags[index + 1] = find_recipe(value if "/" in value else f"accelerate_configs/{value}")
-            except FileNotFoundError:
-                if not shipped.joinpath(f"{value}.yaml").is_file():
-                    # TRL's own message names neither the recipe nor the names it accepts.
-                    names = sorted(
-                        entry.name.removesuffix(".yaml") for entry in shipped.iterdir() if entry.name.endswith(".yaml")
-                    )
-                    ours = [name.split("/")[1] for name in recipe_names() if name.startswith("accelerate_configs/")]
-                    source = (
-                        "the recipe's `accelerate_config`" if index < len(config_remaining) else "--accelerate_config"
-                    )
-                    raise ValueError(
-                        f"{source} {value!r} is neither a file nor one of our accelerate configs ({', '.join(ours)}) "
-                        f"or TRL's ({', '.join(name for name in names if name not in ours)}). Name one of those, or "
-                        "give the path of a YAML file, such as recipes/accelerate_configs/zero3.yaml (a relative path "
-                        "starts from the current directory)."
-                    ) from None
-    return resolve_accelerate_config_argument(flags)
-
-
 def _fill_launch_defaults(launch, training_args):
     """Passes `accelerate launch` (its parsed arguments, `launch`) the values it would otherwise default to, and warn
     about ("The following values were not passed to `accelerate launch` and had defaults used instead"), without
@@ -218,7 +173,7 @@ class LaunchedCommand(Command):
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from transformers import TrainingArguments
 
-        from .job import LAUNCHED_BY_CLI, check_launch_options, train_help
+        from .job import LAUNCHED_BY_CLI, accelerate_launch_args, check_launch_options, train_help
 
         if "--help-all" in argv:
             argv = ["--help"]
@@ -231,7 +186,7 @@ class LaunchedCommand(Command):
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
         check_launch_options(config_remaining + cli_remaining)
-        launch_args = _accelerate_launch_args(config_remaining, cli_remaining)
+        launch_args = accelerate_launch_args(config_remaining, cli_remaining)
         training_args = next(args for args in parsed if isinstance(args, TrainingArguments))
         script_args = _subtract_subsequence(argv, cli_remaining)
         launch = launch_command_parser().parse_args([*launch_args, "-m", self.module, *script_args])
