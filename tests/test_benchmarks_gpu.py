@@ -91,7 +91,7 @@ def test_floor_flops_of_the_paper_pair():
 @pytest.mark.long
 def test_quick_zero3_path_runs_on_the_cpu_stand_in(tmp_path):
     """The --zero3 path (accelerate launch with the recipe's zero3.yaml, one process), on DeepSpeed's CPU accelerator:
-    the launch, the worker and the report line, not GPU behaviour. DeepSpeed builds its shm op once (about a minute)."""
+    the launch, the worker and the report line, not GPU behaviour."""
     pytest.importorskip("deepspeed")
     stdout, results = _run(tmp_path, "--zero3", "--trainers", "tv", "--completion", "32", timeout=600)
     zero3 = results["extras"]["zero3"]

@@ -112,7 +112,7 @@ def _tvopd_trl(*argv, cwd, **env):
     )
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_an_error_in_the_launched_training_process_is_one_line_too(tmp_path):
     # The model is loaded in the process `accelerate launch` starts: its error, not the launcher's traceback, is what
     # the user sees, with the status it exited with.

@@ -99,5 +99,6 @@ def fsdp2_padding_free_run(tmp_path_factory):
     return launch("ddp_cpu.yaml", "padding_free.py", tmp_path_factory.mktemp("padding_free_fsdp2"), "fsdp2")
 
 
+@pytest.mark.compat_skip
 def test_fsdp2_padding_free_runs_as_many_forwards_on_every_rank_and_equals_padded(fsdp2_padding_free_run):
     check_padding_free_run(fsdp2_padding_free_run)

@@ -54,7 +54,7 @@ def test_shortened_main_job_writes_the_summary_and_the_plots(recipe, mode, tmp_p
     check_outputs(tmp_path, mode, steps=4)
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_the_cross_tokenizer_job_evaluates_its_teacher_with_the_teachers_own_tokenizer(tmp_path):
     run(["--config", str(RECIPES / "cross_tokenizer.yaml"), "--output_dir", str(tmp_path), *SHORT])
     check_outputs(tmp_path, "tv", steps=4)
@@ -97,6 +97,7 @@ def test_the_reward_recipe_trains_on_the_accuracy_reward_beside_the_weak_teacher
     assert any(entry["advantage/reward_abs_mean"] > 0 for entry in steps)
 
 
+@pytest.mark.compat_skip
 def test_console_command_launches_through_accelerate(tmp_path):
     command = [sys.executable, "-m", "tvopd_trl.cli", "train", "--config", str(RECIPES / "sign.yaml")]
     command += ["--output_dir", str(tmp_path), "--num_processes", "1", *SHORT]
@@ -120,7 +121,7 @@ def test_a_custom_run_must_name_what_the_embedded_default_cannot_stand_in_for(fl
         run(["--config", str(RECIPES / "tvopd.yaml"), "--output_dir", str(tmp_path), *flags])
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_the_tool_job_trains_with_the_tool_and_reports_how_often_the_student_calls_it(tmp_path):
     run(["--config", str(RECIPES / "tools.yaml"), "--output_dir", str(tmp_path), *SHORT])
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -158,7 +159,7 @@ def test_recipe_keys_for_accelerate_do_not_break_the_script(tmp_path):
     check_outputs(tmp_path / "out", "sign", steps=4)
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_the_multi_teacher_job_reports_each_skill_and_each_teacher(tmp_path):
     assert run(["--config", str(RECIPES / "multi_teacher.yaml"), "--output_dir", str(tmp_path), *SHORT]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -183,7 +184,7 @@ def test_the_multi_teacher_job_reports_each_skill_and_each_teacher(tmp_path):
         assert (tmp_path / name).is_file()
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_one_family_teacher_scores_every_skill(tmp_path):
     # The one-teacher baseline: the addition teacher scores the subtraction prompts too, with one TV scale
     flags = ["--embedded_teacher", "addition", "--output_dir", str(tmp_path), *SHORT]

@@ -152,7 +152,7 @@ VARIANTS = {
 }
 
 
-# The compatibility legs (`-m "not long and not orchestration"`) run two variants, at ZeRO-2 and ZeRO-3: the others exercise this library's code
+# The compatibility legs (`-m "not long and not compat_skip"`) run two variants, at ZeRO-2 and ZeRO-3: the others exercise this library's code
 @pytest.fixture(
     scope="module",
     params=[pytest.param(name, marks=[] if name in ("tv", "raw-zero2") else pytest.mark.long) for name in VARIANTS],

@@ -125,7 +125,7 @@ def _run_short_study(tmp_path, name, **changes):
     return raw
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
     raw = _run_short_study(tmp_path, "study_multi_teacher")
 
@@ -153,7 +153,7 @@ def test_a_study_across_skills_reports_each_skill_and_each_scale(tmp_path):
     assert "Subtraction gap closed" in tables and "One teacher (addition)" in tables
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
     _run_short_study(
         tmp_path,
@@ -175,7 +175,7 @@ def test_a_study_of_the_task_reward_reports_against_the_teacher(tmp_path):
     assert "| Teacher |" in (results / "tables.md").read_text()
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_a_self_distillation_study_reports_against_the_students_own_hinted_accuracy(tmp_path):
     _run_short_study(
         tmp_path,
@@ -208,7 +208,7 @@ def test_a_self_distillation_study_reports_against_the_students_own_hinted_accur
     assert "| Student with its teacher prompt (step 0) |" in tables and "Mean abs(delta)" in tables
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_a_study_across_teacher_families_reports_the_gap_and_the_spans(tmp_path):
     _run_short_study(
         tmp_path,

@@ -280,7 +280,7 @@ class _SilentAfterHealth(_VLLMStandIn):
             time.sleep(3600)
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_start_up_sets_aside_replicas_that_never_answer_or_answer_503(start_replicas, tokenizer):
     """TRL's health check has no request timeout and asks again forever on an error status: start-up must not hang on
     a replica that accepts the connection and never answers, nor on one whose engine died (503 on `/health`)."""
@@ -416,7 +416,7 @@ except ConnectionError:
 """
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_a_process_exits_at_once_after_the_pool_gives_up(tmp_path):
     """The first replica hangs on its chunk while the second fails the other one past its retries: the process must
     not wait at exit for the hung request (until its 300 s timeout), as it did for an executor's worker thread."""

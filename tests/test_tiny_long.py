@@ -121,7 +121,7 @@ def test_the_job_refuses_a_budget_that_cuts_the_traces(flags, message, tmp_path)
         run(["--config", RECIPE, "--output_dir", str(tmp_path), *flags])
 
 
-@pytest.mark.orchestration
+@pytest.mark.compat_skip
 def test_the_long_recipe_trains_the_long_pair(tmp_path):
     short = ["--max_steps", "2", "--eval_problems", "8", "--eval_k", "1", "--eval_every_steps", "0"]
     assert run(["--config", RECIPE, "--output_dir", str(tmp_path), *short]) == 0

@@ -551,8 +551,15 @@ class TVOPDConfig(DistillationConfig):
         # TRL's config refuses sequence parallelism, which this trainer runs in its loss phase (docs/scaling.md); what
         # it cannot run is refused by the trainer (`tvopd_trl.sequence_parallel.check_sequence_parallel`).
         launched_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if self.ddp_backend is None and launched_deepspeed and not torch.accelerator.is_available():
-            self.ddp_backend = "gloo"  # DeepSpeed's one process group on a machine without an accelerator
+        if launched_deepspeed and not torch.accelerator.is_available():
+            if self.ddp_backend is None:
+                self.ddp_backend = "gloo"  # DeepSpeed's one process group on a machine without an accelerator
+            # Before the process group forms: DeepSpeed's CPU backend would compile its shared-memory all-reduce (1-3
+            # minutes on 2 cores, once per extension cache), which only its tensor-parallel inference calls; training
+            # communicates through gloo either way.
+            import deepspeed.ops
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         parallelism_config, self.parallelism_config = self.parallelism_config, None
         super().__post_init__()
         self.parallelism_config = parallelism_config

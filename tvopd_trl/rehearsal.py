@@ -19,8 +19,8 @@ sft`, as its header says), with only flags changed:
 - the models: one real pretrained model as every teacher, and as every student that model after the SFT recipe's
   steps (the 8B pair's student is what `sft.yaml` writes): a student that differs from its teacher, so that the
   updates are not zero;
-- lengths, steps and batch (`SHRINK`): 2 steps of one micro-batch of 2 prompts with 16-token responses, a checkpoint
-  at step 2;
+- lengths, steps and batch (`SHRINK`): 2 steps of one micro-batch of 2 prompts (3 under SP) with 16-token responses,
+  a checkpoint at step 2;
 - the launch: each GPU accelerate config's CPU form (`CPU_LAUNCH`), in float32 (bf16 is refused on a CPU);
 - the data: local copies of the recipes' datasets where `data_dir` has them (`LOCAL_DATASETS`);
 - vLLM: one server of vLLM's CPU build on loopback where a recipe asks for a server (the student's rollouts, or the
@@ -48,14 +48,19 @@ SFT_RECIPE = "qwen3-8b_to_qwen3-8b-sft/sft"
 # Each GPU accelerate config's CPU form: the same engine over as few CPU processes as it allows
 CPU_LAUNCH = {
     "zero3": ["--accelerate_config", "zero3_cpu", "--num_processes", "1"],
-    # one SP group of 2 (the recipes' layouts have 2 or 4 groups)
+    # One SP group (the recipes' layouts have 2 to 4), of 3 processes where the recipes' are 2: Ulysses gives each
+    # process whole heads, and SmolLM2-135M has 9 attention heads and 3 KV heads. Its rollout is 3 rows, one each.
     "zero3_sp": [
         "--accelerate_config",
         "zero3_sp_cpu",
         "--num_processes",
-        "2",
+        "3",
+        "--parallelism_config_sp_size",
+        "3",
         "--parallelism_config_dp_shard_size",
         "1",
+        "--per_device_train_batch_size",
+        "3",
     ],  # fmt: skip
     "single_gpu": [],
 }
@@ -175,7 +180,7 @@ def sft_command(model, output_dir, data_dir):
 
 def train_command(name, recipe, student, teacher, output_dir, data_dir, server_url=None):
     flags = ["--model_name_or_path", student, "--teacher_model_name_or_path", teacher, "--output_dir", output_dir]
-    flags += CPU_LAUNCH[recipe.get("accelerate_config", "single_gpu")] + SHRINK
+    flags += SHRINK + CPU_LAUNCH[recipe.get("accelerate_config", "single_gpu")]
     if "dataset_name" in recipe:
         flags += ["--dataset_name", local_dataset(recipe["dataset_name"], data_dir)]
     if recipe.get("use_vllm") and recipe.get("vllm_mode") == "server":

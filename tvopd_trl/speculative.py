@@ -1,0 +1,263 @@
+# Copyright 2026 The tvopd-trl Authors. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The speculative-sampling acceptance rate of a draft q for a target p, measured and estimated.
+
+`tv/acceptance` (`tvopd_trl.metrics`) reads 1 minus the on-policy TV estimate as the student's acceptance rate as a
+speculative-sampling draft of the teacher: a drafted token y ~ q is accepted with probability min(1, p(y) / q(y)),
+which is 1 - [1 - exp(delta)]_+ with delta = log p(y) - log q(y), and whose mean under q is sum_v min(p_v, q_v) =
+1 - TV(p, q). This module checks that reading against transformers' own assisted generation:
+`measure_assisted_acceptance` counts the drafted tokens its verifier tests and accepts, and `estimate_acceptance`
+computes the library's estimate and the exact acceptance at the very states it tested. The rate depends on the states:
+training measures it on the student's rollouts, while speculative decoding visits the target's own text.
+"""
+
+import copy
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import transformers.generation.utils as generation_utils
+
+from .tv import tv_estimate
+
+
+@dataclass(frozen=True)
+class AssistedAcceptance:
+    """
+    What an assisted generation run did, counted at its verifier.
+
+    `tested` drafted tokens were tested, `accepted` of them were accepted; `acceptance` is their ratio and `interval`
+    its Wilson score interval. `target_forwards` counts the target's forward passes (one per verification, and one
+    per token it sampled alone when too little room was left to draft), `generated_tokens` the tokens added to the
+    prompts; `tokens_per_forward`, their ratio, is what [`expected_tokens_per_verification`] predicts, and
+    `wall_seconds` times the whole run. `sequences` holds each prompt's `(1, L)` prompt and generation, and
+    `tested_mask` its `(1, L)` mask of the positions whose drafted token the verifier tested: the prefix before such a
+    position is a tested state.
+    """
+
+    tested: int
+    accepted: int
+    acceptance: float
+    interval: tuple[float, float]
+    target_forwards: int
+    generated_tokens: int
+    tokens_per_forward: float
+    wall_seconds: float
+    sequences: list[torch.Tensor]
+    tested_mask: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AcceptanceEstimate:
+    """At `states` states: the library's on-policy acceptance estimate, 1 minus the pooled [1 - exp(delta)]_+ of one
+    draft sample per state, and the `exact` mean of sum_v min(p_v, q_v)."""
+
+    estimate: float
+    exact: float
+    states: int
+
+
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion; (0, 1) without trials."""
+    if trials == 0:
+        return 0.0, 1.0
+    z = statistics.NormalDist().inv_cdf((1 + confidence) / 2)
+    ratio = successes / trials
+    center = (ratio + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(ratio * (1 - ratio) / trials + z * z / (4 * trials * trials))
+    return max(center - half, 0.0), min(center + half, 1.0)
+
+
+def expected_tokens_per_verification(acceptance: float, gamma: int) -> float:
+    """
+    Expected tokens one target forward yields when it verifies `gamma` drafted tokens: (1 - a^(gamma + 1)) / (1 - a)
+    (Leviathan et al. 2023, eq. 1), `gamma + 1` at a = 1.
+
+    It assumes each drafted token is accepted independently with the same probability a = `acceptance`; real
+    acceptances vary with the state, and a run also stops drafting at EOS and near its length limit, so a measured
+    tokens-per-forward only approximates it.
+    """
+    if acceptance == 1:
+        return float(gamma + 1)
+    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)
+
+
+def truncated_draft(model, num_layers: int):
+    """A copy of `model` that keeps its embeddings, final norm and head but only its first `num_layers` decoder
+    layers: a draft of `model` that needs no training and shares its tokenizer."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:num_layers]
+    draft.config.num_hidden_layers = num_layers
+    # Configs that type each layer (sliding or full attention) size the cache from this list
+    if getattr(draft.config, "layer_types", None) is not None:
+        draft.config.layer_types = draft.config.layer_types[:num_layers]
+    return draft
+
+
+@contextmanager
+def _drafting(draft, gamma: int):
+    """`draft` drafts exactly `gamma` tokens per verification for the duration: a constant schedule, and a confidence
+    threshold of 0. Left unset (None), the threshold takes transformers' default of 0.4, which stops a draft early
+    whenever the draft's own probability of its token falls below it, and then retunes itself from the acceptances it
+    observes."""
+    saved = draft.generation_config
+    draft.generation_config = copy.deepcopy(saved)
+    draft.generation_config.num_assistant_tokens = gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    try:
+        yield
+    finally:
+        draft.generation_config = saved
+
+
+@contextmanager
+def _recording_verifications(verifications: list):
+    """Appends `(position, candidates, accepted)` to `verifications` for each call of transformers' speculative
+    sampling verifier, which assisted decoding looks up in its module at each call."""
+    original = generation_utils._speculative_sampling
+
+    def recording(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
+        valid_tokens, n_matches = original(
+            candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs
+        )
+        verifications.append((candidate_input_ids.shape[1] - candidate_length, candidate_length, int(n_matches)))
+        return valid_tokens, n_matches
+
+    generation_utils._speculative_sampling = recording
+    try:
+        yield
+    finally:
+        generation_utils._speculative_sampling = original
+
+
+def measure_assisted_acceptance(
+    target,
+    draft,
+    tokenizer,
+    prompts: list[str],
+    gamma: int,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> AssistedAcceptance:
+    """
+    Runs transformers' assisted generation of `target` with `draft` drafting `gamma` tokens per verification, sampling
+    at `temperature` with nothing truncated (top-k and top-p off), on each of `prompts` as a chat-templated user turn,
+    and counts the drafted tokens its verifier tested and accepted.
+
+    A verification of k candidates that accepts the first n tests n + 1 of them when n < k (the first rejection ends
+    it) and all k otherwise. k is `gamma` except where the draft stopped at EOS or where too little room was left
+    before `max_new_tokens`; with no room at all the target samples its token alone, testing nothing. The bonus token
+    sampled after k acceptances is the target's, not a drafted one, and is not counted.
+    """
+    if draft is target:
+        raise ValueError("The draft must be a model of its own: the target's forward passes are counted by a hook.")
+    verifications = []
+    sequences, tested_masks = [], []
+    generated = 0
+    target_forwards = []
+    hook = target.register_forward_hook(lambda *_: target_forwards.append(None))
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    try:
+        with _drafting(draft, gamma), _recording_verifications(verifications), torch.no_grad():
+            for prompt in prompts:
+                input_ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"].to(target.device)
+                first = len(verifications)
+                output = target.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    assistant_model=draft,
+                    do_sample=True,
+                    temperature=temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                tested_mask = torch.zeros_like(output, dtype=torch.bool)
+                for position, candidates, accepted in verifications[first:]:
+                    tested_mask[0, position : position + min(accepted + 1, candidates)] = True
+                generated += output.shape[1] - input_ids.shape[1]
+                sequences.append(output.cpu())
+                tested_masks.append(tested_mask.cpu())
+    finally:
+        hook.remove()
+    wall_seconds = time.perf_counter() - start
+    tested = sum(min(accepted + 1, candidates) for _, candidates, accepted in verifications)
+    accepted = sum(accepted for *_, accepted in verifications)
+    return AssistedAcceptance(
+        tested=tested,
+        accepted=accepted,
+        acceptance=accepted / tested if tested else float("nan"),
+        interval=wilson_interval(accepted, tested, confidence),
+        target_forwards=len(target_forwards),
+        generated_tokens=generated,
+        tokens_per_forward=generated / len(target_forwards) if target_forwards else float("nan"),
+        wall_seconds=wall_seconds,
+        sequences=sequences,
+        tested_mask=tested_masks,
+    )
+
+
+def estimate_acceptance(
+    target,
+    draft,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    samples_per_state: int = 1,
+    generator: torch.Generator | None = None,
+) -> AcceptanceEstimate:
+    """
+    The on-policy acceptance estimate and the exact acceptance of `draft` for `target` at the states of `input_ids`
+    that `mask` marks, both models at `temperature`.
+
+    `mask` (`(B, T)`) marks token positions, as a completion mask does: position t stands for the state
+    `input_ids[:, :t]`, whose next-token distributions come from the logits at t - 1 (so `mask[:, 0]` must be
+    False). One teacher-forced forward of each model over the whole batch gives p_T and q_T at every marked state;
+    there `samples_per_state` tokens y ~ q_T are drawn with `generator` (training draws one: more only shrink the
+    estimate's own sampling noise), and [1 - exp(log p_T(y) - log q_T(y))]_+ is pooled by
+    [`~tvopd_trl.tv.tv_estimate`] as in training. Padding may sit on either side: positions follow `attention_mask`.
+    """
+    if mask[:, 0].any():
+        raise ValueError("mask[:, 0] marks a state before the first token: it has no logits to come from.")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    states = mask[:, 1:].bool()
+    with torch.no_grad():
+        target_logits = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        draft_logits = draft(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    target_logps = (target_logits[:, :-1][states].float() / temperature).log_softmax(-1)
+    draft_logps = (draft_logits[:, :-1][states].float() / temperature).log_softmax(-1)
+    samples = torch.multinomial(draft_logps.exp(), samples_per_state, replacement=True, generator=generator)
+    tv_sum, count = tv_estimate(
+        target_logps.gather(-1, samples), draft_logps.gather(-1, samples), torch.ones_like(samples)
+    )
+    exact = torch.minimum(target_logps.exp(), draft_logps.exp()).double().sum(-1).mean()
+    return AcceptanceEstimate(
+        estimate=1.0 - float(tv_sum) / int(count) if count else float("nan"),
+        exact=float(exact),
+        states=int(states.sum()),
+    )
