@@ -65,6 +65,10 @@ CPU_LAUNCH = {
     "single_gpu": [],
 }
 
+# vLLM's CPU build, for the servers and the colocated engine: its eager model code without the warm-up (its own CPU
+# CI's switch), and threads the scheduler places rather than pinned all to one core (docs/vllm.md)
+VLLM_CPU_ENV = {"VLLM_CPU_CI_ENV": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
 STEPS = 2
 SHRINK = [
     "--max_steps", str(STEPS), "--save_steps", str(STEPS), "--per_device_train_batch_size", "2",
@@ -199,7 +203,10 @@ def run_logged(command, log_path, env=None):
     start = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.run(
-            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**VLLM_CPU_ENV, **os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )
     return process.returncode == 0, time.monotonic() - start
 
@@ -256,7 +263,8 @@ def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
                 # step), the pool's teacher from one of the teacher
                 role = "teacher" if recipe.get("teacher_model_server_url") else "rollouts"
                 if role not in servers:
-                    servers[role] = LocalVLLMServer(model if role == "teacher" else student, logs, max_model_len=512)
+                    served = model if role == "teacher" else student
+                    servers[role] = LocalVLLMServer(served, logs, max_model_len=512, env=VLLM_CPU_ENV)
                     servers[role].wait_ready()
                 url = servers[role].url
             run_dir = os.path.join(output_dir, name)

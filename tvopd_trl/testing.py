@@ -156,20 +156,20 @@ class LocalVLLMServer:
     kills. For the real-vLLM tests, the benchmarks and the study's per-run servers; the tests also use it as a teacher
     server, whose development endpoints then go unused."""
 
-    def __init__(self, model, log_dir, max_model_len=64, extra_args=()):
+    def __init__(self, model, log_dir, max_model_len=64, extra_args=(), env=None):
         from .vllm_server import server_command
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"vllm-{self.port}.log")
         extra_args = ["--max-model-len", str(max_model_len), "--seed", "0", *extra_args]
-        command, env = server_command(model, "rollouts", "cpu", "127.0.0.1", self.port, extra_args)
+        command, server_env = server_command(model, "rollouts", "cpu", "127.0.0.1", self.port, extra_args)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+                env={**os.environ, **(env or {}), **server_env, "OMP_NUM_THREADS": "1"},
                 start_new_session=True,
             )
 
