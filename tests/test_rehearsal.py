@@ -63,6 +63,8 @@ def test_each_training_command_parses_and_launches_its_cpu_form(launches, tmp_pa
         script = launch.training_script_args
         assert script[script.index("--max_steps") + 1] == "2" and script[script.index("--bf16") + 1] == "false"
         assert script[script.index("--dataset_name") + 1].startswith(str(DATA)), name
+        if "teacher_model_server_url" in recipe:  # a pool of two replicas
+            assert json.loads(script[script.index("--teacher_model_server_url") + 1]) == ["http://h:1"] * 2
 
 
 def check_runs(output, results, names):

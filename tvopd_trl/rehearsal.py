@@ -191,10 +191,11 @@ def train_command(name, recipe, student, teacher, output_dir, data_dir, server_u
         host, port = server_url.removeprefix("http://").split(":")
         flags += ["--vllm_server_host", host, "--vllm_server_port", port]
     if recipe.get("use_vllm") and recipe.get("vllm_mode") == "colocate":
-        flags += ["--vllm_max_model_length", "512"]
+        # On a CPU the engine's memory share is of the RAM, for its KV cache: the recipe's half took 18 GB here
+        flags += ["--vllm_max_model_length", "512", "--vllm_gpu_memory_utilization", "0.05"]
     if recipe.get("teacher_model_server_url"):
-        # The pool's replicas: the one server, twice
-        flags += ["--teacher_model_server_url", server_url, server_url]
+        # The pool's replicas (a JSON list on the command line): the one server, twice
+        flags += ["--teacher_model_server_url", json.dumps([server_url, server_url])]
     return [sys.executable, "-m", "tvopd_trl.cli", "train", "--config", name, *flags]
 
 
