@@ -191,8 +191,9 @@ def train_command(name, recipe, student, teacher, output_dir, data_dir, server_u
         host, port = server_url.removeprefix("http://").split(":")
         flags += ["--vllm_server_host", host, "--vllm_server_port", port]
     if recipe.get("use_vllm") and recipe.get("vllm_mode") == "colocate":
-        # On a CPU the engine's memory share is of the RAM, for its KV cache: the recipe's half took 18 GB here
-        flags += ["--vllm_max_model_length", "512", "--vllm_gpu_memory_utilization", "0.05"]
+        # On a CPU the share is of the RAM, and it holds the whole process (the trainer's models too) and the KV cache:
+        # the recipe's half took 18 GB here, 0.05 left no room for the cache
+        flags += ["--vllm_max_model_length", "512", "--vllm_gpu_memory_utilization", "0.2"]
     if recipe.get("teacher_model_server_url"):
         # The pool's replicas (a JSON list on the command line): the one server, twice
         flags += ["--teacher_model_server_url", json.dumps([server_url, server_url])]
