@@ -1,6 +1,6 @@
 """`tvopd-trl rehearse`: the paper's recipes, each as written with only flags changed, on SmolLM2-135M-Instruct.
 
-Every recipe's command is checked here up to its launch; the long test rehearses the SFT and the SP recipe for real.
+Every recipe's command is checked here up to its launch; the long test rehearses the SFT and the ZeRO-3 TV-OPD recipe for real.
 `tvopd-trl rehearse --data_dir tests/data/train` rehearses all of them (results/rehearsal/, about 25 minutes)."""
 
 import importlib.util
@@ -85,12 +85,13 @@ def check_runs(output, results, names):
 
 @pytest.mark.long
 def test_the_first_run_page_s_rehearsal_trains_evaluates_and_reports(smollm2_dir, tmp_path):
-    """docs/first-real-run.md's command on the SFT that makes the student (always run) and the launch with the most
-    parts, ZeRO-3 with Ulysses SP over several processes; a vLLM recipe where vLLM is missing is listed as not run."""
+    """docs/first-real-run.md's command on the SFT that makes the student (always run) and the paper's TV-OPD recipe
+    under ZeRO-3 (one process: the SP recipes' 3 processes took 5 minutes of CI's 2 cores; results/rehearsal/ has them);
+    a vLLM recipe where vLLM is missing is listed as not run."""
     (command,) = block("rehearse")
     args = shlex.split(command)
     assert args[:2] == ["tvopd-trl", "rehearse"] and args[args.index("--data_dir") + 1] == "tests/data/train"
-    names = ["qwen3-8b_to_qwen3-8b-sft/tvopd_sp", "qwen3-8b_to_qwen3-8b-sft/tvopd_vllm_server"]
+    names = ["justrl-1.5b_to_ds-distill-qwen-1.5b/tvopd", "qwen3-8b_to_qwen3-8b-sft/tvopd_vllm_server"]
     output = tmp_path / "rehearsal"
     args[args.index("--data_dir") + 1] = str(DATA)
     assert cli([*args[1:], "--model", smollm2_dir, "--output_dir", str(output), "--recipes", *names]) == 0
@@ -102,5 +103,5 @@ def test_the_first_run_page_s_rehearsal_trains_evaluates_and_reports(smollm2_dir
         names = names[:-1]
     check_runs(output, results, names)
     # A DeepSpeed launch on a CPU does not compile DeepSpeed's shared-memory all-reduce, which training never calls
-    assert "shm_comm_op" not in (output / "logs" / "qwen3-8b_to_qwen3-8b-sft__tvopd_sp.log").read_text()
+    assert "shm_comm_op" not in (output / "logs" / "justrl-1.5b_to_ds-distill-qwen-1.5b__tvopd.log").read_text()
     assert "| qwen3-8b_to_qwen3-8b-sft/tvopd_vllm_server |" in (output / "rehearsal.md").read_text()

@@ -131,10 +131,11 @@ def _recording_verifications(verifications: list):
     sampling verifier, which assisted decoding looks up in its module at each call."""
     original = generation_utils._speculative_sampling
 
-    def recording(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
-        valid_tokens, n_matches = original(
-            candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs
-        )
+    # (candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate): transformers up to 5.2x
+    # passes the last positionally, later releases by name
+    def recording(*args, **kwargs):
+        valid_tokens, n_matches = original(*args, **kwargs)
+        candidate_input_ids, _, candidate_length = args[:3]
         verifications.append((candidate_input_ids.shape[1] - candidate_length, candidate_length, int(n_matches)))
         return valid_tokens, n_matches
 
