@@ -29,6 +29,12 @@ def test_every_paper_recipe_is_rehearsed_and_none_lacks_a_cpu_form():
     assert "README's vLLM command" in rehearsal.why_not(rehearsal.read_recipe(vllm[0]), has_vllm=False)
 
 
+def test_a_model_that_is_not_a_folder_or_a_hub_id_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="The rehearsal's model '/no/such/model' is neither"):
+        rehearsal.rehearse("/no/such/model", tmp_path)
+    assert not (tmp_path / "logs").exists()
+
+
 def test_an_unknown_recipe_is_refused_with_the_names(tmp_path):
     with pytest.raises(ValueError, match=r"tiny/tvopd: not a paper recipe.*`tvopd-trl recipes` lists them"):
         rehearsal.rehearse("model", tmp_path, recipes=["tiny/tvopd"])

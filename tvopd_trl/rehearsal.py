@@ -111,12 +111,6 @@ def read_recipe(name):
         return yaml.safe_load(f)
 
 
-def vllm_available():
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def needs_server(recipe):
     """Whether a recipe's training talks to a vLLM server: server-mode rollouts, or a pool of served teachers."""
     return (recipe.get("use_vllm") and recipe.get("vllm_mode") == "server") or bool(
@@ -221,6 +215,9 @@ def log_tail(path, lines=15):
 def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
     """Rehearses `recipes` (every paper recipe by default; the SFT one always runs, as their student's source) with
     `model`, in `output_dir`: `<pair>/<recipe>/` runs, `logs/`, `report/<pair>/`. Returns the `Rehearsal` of each."""
+    from trl.import_utils import is_vllm_available
+
+    from .job import check_model_source
     from .testing import LocalVLLMServer
 
     unknown = sorted(set(recipes or ()) - set(paper_recipes()))
@@ -229,10 +226,11 @@ def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
             f"{', '.join(unknown)}: not a paper recipe; the rehearsal runs those of {' and '.join(PAPER_PAIRS)} "
             "(`tvopd-trl recipes` lists them)"
         )
+    check_model_source(model, "The rehearsal's model")
     output_dir = os.path.abspath(output_dir)
     logs = os.path.join(output_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    has_vllm = vllm_available()
+    has_vllm = is_vllm_available()
     names = [name for name in (recipes or paper_recipes()) if name != SFT_RECIPE]
     sft_dir = os.path.join(output_dir, SFT_RECIPE)
     student = os.path.join(sft_dir, "model")
@@ -253,7 +251,7 @@ def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
     try:
         for name, recipe in plans.items():
             rehearsal = Rehearsal(name, reason=why_not(recipe, has_vllm))
-            if results[0].status != "passed":
+            if results[0].status != "passed" and not rehearsal.reason:
                 rehearsal.reason = f"its student, {SFT_RECIPE}'s, failed"
             if rehearsal.reason:
                 log(f"{name}: not run: {rehearsal.reason}")
