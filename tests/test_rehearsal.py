@@ -108,6 +108,24 @@ def test_the_first_run_page_s_rehearsal_trains_evaluates_and_reports(smollm2_dir
         assert results[names[-1]]["status"] == "not run" and "vLLM" in results[names[-1]]["reason"]
         names = names[:-1]
     check_runs(output, results, names)
+    # Evaluated, each run keeps its records and loses its weights (30 runs would take about 33 GB)
+    run = output / names[0]
+    assert (run / "checkpoint-2" / "trainer_state.json").is_file() and not list(run.rglob("*.safetensors"))
     # A DeepSpeed launch on a CPU does not compile DeepSpeed's shared-memory all-reduce, which training never calls
     assert "shm_comm_op" not in (output / "logs" / "justrl-1.5b_to_ds-distill-qwen-1.5b__tvopd.log").read_text()
     assert "| qwen3-8b_to_qwen3-8b-sft/tvopd_vllm_server |" in (output / "rehearsal.md").read_text()
+
+
+def test_a_rehearsed_run_loses_its_weights_and_optimizer_states_and_keeps_its_records(tmp_path):
+    run = tmp_path / "run"
+    kept = ["config.json", "summary.json", "checkpoint-2/trainer_state.json", "checkpoint-2/config.json"]
+    kept += ["checkpoint-2/training_args.bin", "eval/mean@1/step-2/results.json"]
+    heavy = ["model.safetensors", "checkpoint-2/model.safetensors", "checkpoint-2/adapter_model.safetensors"]
+    heavy += ["checkpoint-2/global_step2/mp_rank_00_model_states.pt", "checkpoint-2/optimizer.pt"]
+    heavy += ["checkpoint-2/model-00001-of-00002.safetensors", "checkpoint-2/pytorch_model_fsdp_0/0.distcp"]
+    for name in kept + heavy:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text("x")
+    rehearsal.delete_weights(str(run))
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()) == sorted(kept)
+    assert not (run / "checkpoint-2" / "global_step2").exists()

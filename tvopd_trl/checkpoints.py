@@ -40,6 +40,13 @@ _WEIGHT_FOLDERS = ("global_step*", "pytorch_model_fsdp_*")
 _OPTIMIZER_STATES = ("optimizer.pt", "global_step*/*optim_states.pt", "optimizer.bin", "optimizer_*")
 
 
+def heavy_parts(folder):
+    """The paths of `folder`'s weights (sharded ones included) and optimizer and DeepSpeed/FSDP states: all but its
+    records (configs, trainer state, tokenizer)."""
+    patterns = (*_WEIGHTS, "model-*.safetensors", *_WEIGHT_FOLDERS, "optimizer.pt", "optimizer.bin", "optimizer_*")
+    return sorted({path for pattern in patterns for path in glob.glob(os.path.join(folder, pattern))})
+
+
 def missing_parts(checkpoint):
     """What `checkpoint` lacks to be resumed from (an empty list when it is complete)."""
     missing = []

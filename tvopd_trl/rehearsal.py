@@ -19,26 +19,31 @@ sft`, as its header says), with only flags changed:
 - the models: one real pretrained model as every teacher, and as every student that model after the SFT recipe's
   steps (the 8B pair's student is what `sft.yaml` writes): a student that differs from its teacher, so that the
   updates are not zero;
-- lengths, steps and batch (`SHRINK`): 2 steps of one micro-batch of 2 prompts (3 under SP) with 16-token responses,
-  a checkpoint at step 2;
+- lengths, steps and batch (`SHRINK`): 2 steps of one micro-batch of 2 prompts (3 under SP) cut to their last 64
+  tokens, with 8-token responses, a checkpoint at step 2;
 - the launch: each GPU accelerate config's CPU form (`CPU_LAUNCH`), in float32 (bf16 is refused on a CPU);
 - the data: local copies of the recipes' datasets where `data_dir` has them (`LOCAL_DATASETS`);
 - vLLM: one server of vLLM's CPU build on loopback where a recipe asks for a server (the student's rollouts, or the
   teacher pool's replicas); the colocated engine runs in the trainer's process.
 
-Then each pair's runs are evaluated from their start (`tvopd-trl eval --student`), selected and reported together
-(`tvopd-trl report`). A recipe that cannot run in this environment is not run and says why (`Rehearsal.reason`).
+Each run is evaluated once it has trained (`tvopd-trl eval`; the first of each pair with `--student`, the report's
+Student row), and its weights are then deleted unless asked to keep them; each pair's runs are selected and reported
+together (`tvopd-trl report`). A recipe that cannot run in this environment is not run and says why
+(`Rehearsal.reason`).
 """
 
 import dataclasses
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
 import yaml
 
+from .checkpoints import heavy_parts
 from .packaged_recipes import RECIPES_DIR, recipe_names
 
 
@@ -72,7 +77,7 @@ VLLM_CPU_ENV = {"VLLM_CPU_CI_ENV": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 STEPS = 2
 SHRINK = [
     "--max_steps", str(STEPS), "--save_steps", str(STEPS), "--per_device_train_batch_size", "2",
-    "--gradient_accumulation_steps", "1", "--max_prompt_length", "256", "--max_completion_length", "16",
+    "--gradient_accumulation_steps", "1", "--max_prompt_length", "64", "--max_completion_length", "8",
     "--bf16", "false", "--report_to", "none", "--disable_tqdm", "true",
 ]  # fmt: skip
 
@@ -86,6 +91,7 @@ LOCAL_DATASETS = {
 # selection's and the report's protocol
 PROTOCOL = ["--k", "1", "--benchmarks", "math500"]
 EVAL = [*PROTOCOL, "--limit", "2", "--max_new_tokens", "16"]
+
 
 
 @dataclasses.dataclass
@@ -212,9 +218,11 @@ def log_tail(path, lines=15):
         return "".join(f.readlines()[-lines:])
 
 
-def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
+def rehearse(model, output_dir, data_dir=None, recipes=None, keep_weights=False, log=print):
     """Rehearses `recipes` (every paper recipe by default; the SFT one always runs, as their student's source) with
-    `model`, in `output_dir`: `<pair>/<recipe>/` runs, `logs/`, `report/<pair>/`. Returns the `Rehearsal` of each."""
+    `model`, in `output_dir`: `<pair>/<recipe>/` runs, `logs/`, `report/<pair>/`. Each run is evaluated as soon as it
+    has trained; then, unless `keep_weights`, its weights and optimizer states are deleted (the runs' records, logs and
+    evaluations stay): 30 runs would otherwise take about 33 GB. Returns the `Rehearsal` of each."""
     from trl.import_utils import is_vllm_available
 
     from .job import check_model_source
@@ -247,6 +255,7 @@ def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
 
     results = [run(Rehearsal(SFT_RECIPE, sft_command(model, sft_dir, data_dir)), env={"DS_ACCELERATOR": "cpu"})]
     plans = {name: read_recipe(name) for name in names}
+    evaluated = {pair: [] for pair in PAPER_PAIRS}  # each pair's evaluated runs
     servers = {}
     try:
         for name, recipe in plans.items():
@@ -270,33 +279,63 @@ def rehearse(model, output_dir, data_dir=None, recipes=None, log=print):
             run_dir = os.path.join(output_dir, name)
             rehearsal.command = train_command(name, recipe, student, model, run_dir, data_dir, url)
             results.append(run(rehearsal))
+            if rehearsal.status == "passed":
+                pair = name.split("/")[0]
+                # The Student row once a pair: `tvopd-trl report` takes it from the first run that has it
+                rehearsal.status = evaluate(rehearsal, student if not evaluated[pair] else None, run)
+                if rehearsal.status == "passed":
+                    evaluated[pair].append(rehearsal)
+                if not keep_weights:
+                    delete_weights(run_dir)
     finally:
         for server in servers.values():
             server.stop()
-    for pair in PAPER_PAIRS:
-        runs = [r for r in results if r.recipe.startswith(pair) and r.status == "passed" and r.recipe != SFT_RECIPE]
-        if runs:
-            results.append(evaluate_and_report(pair, runs, student, output_dir, logs, run))
+    results += [report(pair, runs, output_dir, run) for pair, runs in evaluated.items() if runs]
     return results
 
 
-def evaluate_and_report(pair, runs, student, output_dir, logs, run):
-    """`tvopd-trl eval` of each run (its checkpoint and, once per pair, the Student row), then `select` and `report`
-    over them: one `Rehearsal` named `<pair>/report`, failed at the first command that fails."""
-    tvopd_trl = [sys.executable, "-m", "tvopd_trl.cli"]
+def tvopd_trl_command(*args):
+    return [sys.executable, "-m", "tvopd_trl.cli", *args]
+
+
+def evaluate(rehearsal, student, run):
+    """`tvopd-trl eval` of a run's checkpoint (and, given `student`, of the model it started from): the rehearsal's
+    new status, "failed" with the reason where the evaluation failed."""
+    run_dir = rehearsal.command[rehearsal.command.index("--output_dir") + 1]
+    command = tvopd_trl_command("eval", "--model", run_dir, *EVAL)
+    if student is not None:
+        command += ["--student", student]
+    done = run(Rehearsal(f"{rehearsal.recipe}-eval", command=command))
+    rehearsal.seconds += done.seconds
+    if done.status != "passed":
+        rehearsal.reason, rehearsal.log = "its evaluation (`tvopd-trl eval`) failed", done.log
+    return done.status
+
+
+def report(pair, runs, output_dir, run):
+    """`tvopd-trl select` and `report` over a pair's evaluated runs: one `Rehearsal` named `<pair>/report`, failed at
+    the first command that fails."""
     folders = [os.path.join(output_dir, r.recipe) for r in runs]
-    steps = [[*tvopd_trl, "eval", "--model", folder, "--student", student, *EVAL] for folder in folders]
-    steps.append([*tvopd_trl, "select", *folders, *PROTOCOL])
     methods = [f"--method={r.recipe.split('/')[1]}={folder}" for r, folder in zip(runs, folders, strict=True)]
-    steps.append([*tvopd_trl, "report", *methods, *PROTOCOL, "--output_dir", os.path.join(output_dir, "report", pair)])
+    steps = [
+        tvopd_trl_command("select", *folders, *PROTOCOL),
+        tvopd_trl_command("report", *methods, *PROTOCOL, "--output_dir", os.path.join(output_dir, "report", pair)),
+    ]
     total = Rehearsal(f"{pair}/report", command=steps[-1], status="passed")
     for index, step in enumerate(steps):
         done = run(Rehearsal(f"{pair}/report-{index}", command=step))
         total.seconds += done.seconds
         if done.status != "passed":
-            total.status, total.log, total.reason = "failed", done.log, f"`{' '.join(step[3:5])}` failed"
+            total.status, total.log, total.reason = "failed", done.log, f"`tvopd-trl {step[3]}` failed"
             break
     return total
+
+
+def delete_weights(run_dir):
+    """Deletes a run's weights and optimizer states, its final model's and its checkpoints', keeping their records."""
+    for folder in [run_dir, *glob.glob(os.path.join(run_dir, "checkpoint-*"))]:
+        for path in heavy_parts(folder):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
 def summary_table(results):

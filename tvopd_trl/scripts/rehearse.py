@@ -34,6 +34,12 @@ def make_parser(prog=None):
     parser.add_argument("--data_dir", default=None, help="Local copies of the recipes' datasets (default: the Hub's).")
     parser.add_argument("--recipes", nargs="+", default=None, help="Recipe names (default: every paper recipe).")
     parser.add_argument("--output_dir", default="outputs/rehearsal", help="Where the runs, logs and report go.")
+    parser.add_argument(
+        "--keep_weights",
+        action="store_true",
+        help="Keep each run's weights and optimizer states (about 1.1 GB a run with SmolLM2); by default they are "
+        "deleted once the run is evaluated.",
+    )
     return parser
 
 
@@ -46,7 +52,9 @@ def run(argv=None):
 
     args = make_parser(prog="tvopd-trl rehearse").parse_args(argv)
     model = args.model or str(model_path("smollm2-135m-instruct"))
-    results = rehearse(model, args.output_dir, data_dir=args.data_dir, recipes=args.recipes)
+    results = rehearse(
+        model, args.output_dir, data_dir=args.data_dir, recipes=args.recipes, keep_weights=args.keep_weights
+    )
     table = summary_table(results)
     print(table, end="")
     with open(os.path.join(args.output_dir, "rehearsal.md"), "w", encoding="utf-8") as f:
