@@ -93,7 +93,6 @@ PROTOCOL = ["--k", "1", "--benchmarks", "math500"]
 EVAL = [*PROTOCOL, "--limit", "2", "--max_new_tokens", "16"]
 
 
-
 @dataclasses.dataclass
 class Rehearsal:
     """One recipe's rehearsal: the command it ran, its log, its outcome and wall time, or why it did not run."""
