@@ -70,7 +70,7 @@ def test_the_smoke_grid_runs_resumes_and_reports(tmp_path):
     assert len(runs) == 6 and all(run.finished for run in runs)
     for run in runs:
         summary = json.loads(open(os.path.join(run.directory, "summary.json")).read())
-        assert summary["steps"] == 20 and summary["advantage_mode"] == run.settings.get("advantage_mode", "tv")
+        assert summary["steps"] == 10 and summary["advantage_mode"] == run.settings.get("advantage_mode", "tv")
         assert "teacher_accuracy" not in summary  # `eval_teacher: false`
 
     results = tmp_path / "results"

@@ -165,7 +165,9 @@ def test_a_sync_that_fails_midway_leaves_the_adapter_unmerged_and_active():
         assert torch.equal(model(inputs).logits, output)
 
 
-@pytest.fixture(scope="module", params=["zero3", pytest.param("fsdp2", marks=pytest.mark.compat_skip)])
+@pytest.fixture(
+    scope="module", params=[pytest.param(name, marks=pytest.mark.compat_skip) for name in ("zero3", "fsdp2")]
+)
 def sharded_run(request, tmp_path_factory):
     config = {"zero3": "zero3_cpu.yaml", "fsdp2": "ddp_cpu.yaml"}[request.param]
     output_dir = tmp_path_factory.mktemp(f"lora_sync_{request.param}")

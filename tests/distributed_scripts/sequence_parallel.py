@@ -4,7 +4,7 @@
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
-`tools=1`, `teacher=cross|two|three-heads|served|hinted|self` (`self` with `hints=half|none`: every other row or no row
+`tools=1`, `evaluate=1` (after training), `teacher=cross|two|three-heads|served|hinted|self` (`self` with `hints=half|none`: every other row or no row
 hinted; `served` with `url=`: a vLLM server of the vLLM-ready pair's teacher, whose
 student then trains), `checkpointing=1`, `steps=3`, `rows=8`). Completions are drawn from a generator seeded by the prompt and the sample's place in
 its group, so that a process that samples half of the rollout gets exactly the reference's half; they are long enough
@@ -210,9 +210,9 @@ def main(output_dir, mode, *options):
     trainer.train()
     tensors = {"parameters": parameters.steps, "calls": trainer.calls}
     # Evaluation after training: whole rows on each process (SP is off in eval mode), then a sharded forward in eval mode
-    evaluation = trainer.evaluate()
+    evaluation = trainer.evaluate() if options.get("evaluate") else None
     refusal = None
-    if trainer._sp_size > 1:
+    if options.get("evaluate") and trainer._sp_size > 1:
         trainer.model_wrapped.eval()
         try:
             trainer._sharded_logps(
