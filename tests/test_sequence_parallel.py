@@ -49,16 +49,20 @@ def _result(output_dir, rank):
 
 
 def _single_process(output_dir, script_args):
+    _run_script([str(output_dir), *script_args])
+    return _result(output_dir, 0)
+
+
+def _run_script(args, timeout=300):
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), str(output_dir), *script_args],
+        [sys.executable, str(SCRIPT), *args],
         capture_output=True,
         text=True,
         env=_launch_env(),
         cwd=SCRIPTS,
-        timeout=300,
+        timeout=timeout,
     )
     assert completed.returncode == 0, completed.stderr[-6000:]
-    return _result(output_dir, 0)
 
 
 def relative_error(value, reference):
@@ -152,6 +156,28 @@ VARIANTS = {
 }
 
 
+def _script_args(name):
+    mode, options, _ = VARIANTS[name]
+    # The evaluation test reads one variant's evaluation
+    return [mode, *options, "evaluate=1"] if name == "tv" else [mode, *options]
+
+
+@pytest.fixture(scope="module")
+def references(request, tmp_path_factory):
+    """The run without SP of every variant this session selected, one after another in one process: a process each
+    spent most of its time importing."""
+    names = {
+        item.callspec.params.get("sequence_parallel_run")
+        for item in request.session.items
+        if hasattr(item, "callspec")
+    }
+    folder = tmp_path_factory.mktemp("references")
+    runs = [[str(folder / name), *_script_args(name)] for name in sorted(names - {None})]
+    (folder / "runs.json").write_text(json.dumps(runs))
+    _run_script(["--references", str(folder / "runs.json")], timeout=300 + 60 * len(runs))
+    return {name: _result(folder / name, 0) for name in sorted(names - {None})}
+
+
 # The compatibility legs (`-m "not long and not compat_skip"`) run one variant, at ZeRO-3: the others exercise this library's code
 @pytest.fixture(
     scope="module",
@@ -162,14 +188,11 @@ VARIANTS = {
         for name in VARIANTS
     ],
 )
-def sequence_parallel_run(request, tmp_path_factory):
-    mode, options, zero = VARIANTS[request.param]
-    # The evaluation test reads one variant's evaluation
-    options = [*options, "evaluate=1"] if request.param == "tv" else options
+def sequence_parallel_run(request, references, tmp_path_factory):
+    zero = VARIANTS[request.param][2]
     folder = tmp_path_factory.mktemp(request.param)
-    reference = _single_process(folder / "reference", [mode, *options])
-    runs = _launch(folder / "sp", SP_CONFIG, ["--zero_stage", str(zero)], [mode, *options], processes=2)
-    return request.param, zero, runs, reference
+    runs = _launch(folder / "sp", SP_CONFIG, ["--zero_stage", str(zero)], _script_args(request.param), processes=2)
+    return request.param, zero, runs, references[request.param]
 
 
 def test_two_processes_with_sp_equal_one_process_on_the_same_rollouts(sequence_parallel_run):

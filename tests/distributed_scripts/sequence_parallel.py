@@ -2,6 +2,7 @@
 
     accelerate launch --config_file recipes/accelerate_configs/zero3_sp_cpu.yaml sequence_parallel.py OUT tv
     python sequence_parallel.py OUT tv        # the reference: one process, no SP, the same global batch
+    python sequence_parallel.py --references RUNS.json   # references one after another: [[OUT, mode, *options], ...]
 
 The first argument after the output folder is the advantage mode; options follow as `name=value` (`reward=1`,
 `tools=1`, `evaluate=1` (after training), `teacher=cross|two|three-heads|served|hinted|self` (`self` with `hints=half|none`: every other row or no row
@@ -15,6 +16,7 @@ gradient. Each rank saves the parameters after every step, the per-token tensors
 an SP group holds whole rows) and the log.
 """
 
+import json
 import os
 import sys
 
@@ -145,6 +147,7 @@ class RecordingTrainer(TVOPDTrainer):
 
 def main(output_dir, mode, *options):
     options = dict(option.split("=", 1) for option in options)
+    RecordingTrainer.calls = []
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     # The rollout as generated, in process order: both runs see the same rows in the same order
     tvopd_trl.rollout_batching.shuffle_sequence_dict = tvopd_trl.sequence_parallel.shuffle_sequence_dict = dict
@@ -240,4 +243,9 @@ def main(output_dir, mode, *options):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--references":
+        with open(sys.argv[2]) as f:
+            for run in json.load(f):
+                main(*run)
+    else:
+        main(*sys.argv[1:])
