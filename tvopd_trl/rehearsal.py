@@ -334,7 +334,10 @@ def delete_weights(run_dir):
     """Deletes a run's weights and optimizer states, its final model's and its checkpoints', keeping their records."""
     for folder in [run_dir, *glob.glob(os.path.join(run_dir, "checkpoint-*"))]:
         for path in heavy_parts(folder):
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
 def summary_table(results):
