@@ -5,9 +5,10 @@ the whole model, with the acceptance rate measured before and after by transform
 
 The draft: the target's embeddings, first 4 of 30 decoder layers, final norm and head (`truncated_draft`). Training: the
 terse task's 572 training questions without their few-shot turns (general chat prompts), the draft's own rollouts at
-T = 1, 32 tokens, 8 prompts a step, constant learning rate, 60 steps, seed 0, the target as the teacher. Measured: the
-acceptance rate at the verifier of transformers' assisted generation (speculative sampling, gamma = 3, T = 1, nothing
-truncated) on the first 24 held-out questions, 32 new tokens each, seed 0 (`measure_assisted_acceptance`).
+T = 1, 32 tokens, 8 prompts a step (`--prompts_per_step`), constant learning rate, 60 steps, seed 0, the target as the
+teacher. Measured: the acceptance rate at the verifier of transformers' assisted generation (speculative sampling,
+gamma = 3, T = 1, nothing truncated) on the first 24 held-out questions, 32 new tokens each, seed 0
+(`measure_assisted_acceptance`).
 """
 
 import argparse
@@ -42,6 +43,7 @@ def main():
     parser.add_argument("--mode", default="tv", help="advantage_mode")
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--prompts_per_step", type=int, default=8)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--output", required=True, help="JSON file of the results")
     args = parser.parse_args()
@@ -64,7 +66,7 @@ def main():
         advantage_mode=args.mode,
         temperature=1.0,
         max_completion_length=32,
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=args.prompts_per_step,
         gradient_accumulation_steps=1,
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
