@@ -171,11 +171,12 @@ def references(request, tmp_path_factory):
         for item in request.session.items
         if hasattr(item, "callspec")
     }
+    names = sorted(names - {None})
     folder = tmp_path_factory.mktemp("references")
-    runs = [[str(folder / name), *_script_args(name)] for name in sorted(names - {None})]
+    runs = [[str(folder / name), *_script_args(name)] for name in names]
     (folder / "runs.json").write_text(json.dumps(runs))
     _run_script(["--references", str(folder / "runs.json")], timeout=300 + 60 * len(runs))
-    return {name: _result(folder / name, 0) for name in sorted(names - {None})}
+    return {name: _result(folder / name, 0) for name in names}
 
 
 # The compatibility legs (`-m "not long and not compat_skip"`) run one variant, at ZeRO-3: the others exercise this library's code

@@ -43,7 +43,9 @@ _OPTIMIZER_STATES = ("optimizer.pt", "global_step*/*optim_states.pt", "optimizer
 def heavy_parts(folder):
     """The paths of `folder`'s weights (sharded ones included) and optimizer and DeepSpeed/FSDP states: all but its
     records (configs, trainer state, tokenizer)."""
-    patterns = (*_WEIGHTS, "model-*.safetensors", *_WEIGHT_FOLDERS, "optimizer.pt", "optimizer.bin", "optimizer_*")
+    # (DeepSpeed's optimizer shards go with their weight folder)
+    optimizer = [pattern for pattern in _OPTIMIZER_STATES if "/" not in pattern]
+    patterns = (*_WEIGHTS, "model-*.safetensors", *_WEIGHT_FOLDERS, *optimizer)
     return sorted({path for pattern in patterns for path in glob.glob(os.path.join(folder, pattern))})
 
 

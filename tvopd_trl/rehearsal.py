@@ -181,6 +181,10 @@ def sft_command(model, output_dir, data_dir):
     return [*trl_of_this_interpreter, "sft", "--config", recipe_path, *flags]
 
 
+def tvopd_trl_command(*args):
+    return [sys.executable, "-m", "tvopd_trl.cli", *args]
+
+
 def train_command(name, recipe, student, teacher, output_dir, data_dir, server_url=None):
     flags = ["--model_name_or_path", student, "--teacher_model_name_or_path", teacher, "--output_dir", output_dir]
     flags += SHRINK + CPU_LAUNCH[recipe.get("accelerate_config", "single_gpu")]
@@ -196,7 +200,7 @@ def train_command(name, recipe, student, teacher, output_dir, data_dir, server_u
     if recipe.get("teacher_model_server_url"):
         # The pool's replicas (a JSON list on the command line): the one server, twice
         flags += ["--teacher_model_server_url", json.dumps([server_url, server_url])]
-    return [sys.executable, "-m", "tvopd_trl.cli", "train", "--config", name, *flags]
+    return tvopd_trl_command("train", "--config", name, *flags)
 
 
 def run_logged(command, log_path, env=None):
@@ -291,10 +295,6 @@ def rehearse(model, output_dir, data_dir=None, recipes=None, keep_weights=False,
             server.stop()
     results += [report(pair, runs, output_dir, run) for pair, runs in evaluated.items() if runs]
     return results
-
-
-def tvopd_trl_command(*args):
-    return [sys.executable, "-m", "tvopd_trl.cli", *args]
 
 
 def evaluate(rehearsal, student, run):
