@@ -134,6 +134,13 @@ def test_a_copy_of_the_target_as_draft_is_accepted_gamma_plus_one_tokens_a_forwa
     assert "1111" not in "".join("1" if tested else "0" for tested in result.tested_mask[0][0].tolist())
 
 
+def test_a_prompt_already_chat_templated_is_refused(tokenizer):
+    target, draft = build_model(tokenizer, seed=1), build_model(tokenizer, seed=2)
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False)
+    with pytest.raises(ValueError, match="Prompt 1 holds the chat template's '<\\|im_.*plain text"):
+        measure_assisted_acceptance(target, draft, tokenizer, ["1+2=", templated], gamma=3)
+
+
 PROMPTS = [
     "What is the capital of France?",
     "How can I sleep better?",

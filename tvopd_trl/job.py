@@ -34,7 +34,9 @@ from .packaged_recipes import find_recipe
 
 
 # The embedded defaults a job runs without a model, teacher or dataset of its own (`embedded_task`)
-EMBEDDED_TASKS = ("addition", "multi_teacher", "long_addition", "addition_vllm", "tools", "hint", "smollm2_terse")
+EMBEDDED_TASKS = (
+    "addition", "multi_teacher", "long_addition", "addition_vllm", "tools", "hint", "smollm2_terse", "smollm2_draft",
+)  # fmt: skip
 # The held-out splits that grade each embedded task (`eval_benchmark`)
 EMBEDDED_BENCHMARKS = {
     "addition": "tiny",
@@ -44,6 +46,7 @@ EMBEDDED_BENCHMARKS = {
     "tools": "tiny-tools",
     "hint": "tiny",
     "smollm2_terse": "terse",
+    "smollm2_draft": "terse",
 }
 # The embedded tasks whose prompts carry privileged context (a `teacher_prompt`) for `self_distillation` to teach from:
 # task -> its held-out split with that context shown, where the untrained student's accuracy is the run's reference
@@ -53,6 +56,9 @@ SELF_DISTILLATION_RECIPES = {
     "hint": "recipes/tiny/self_distill.yaml",
     "smollm2_terse": "recipes/real/smollm2_terse.yaml",
 }
+# `embedded_task: smollm2_draft`'s draft: SmolLM2-135M-Instruct's first decoder layers, its embeddings, final norm and
+# head kept (`tvopd_trl.speculative.truncated_draft`)
+DRAFT_LAYERS = 4
 # `embedded_teacher`'s name of the default pair's imperfect teacher (`tvopd_trl.tiny.weak_teacher_path`)
 WEAK_TEACHER = "weak"
 # `embedded_teacher`'s names of the teachers of another family (`tvopd_trl.tiny.cross_tokenizer_paths`), by member
@@ -91,9 +97,12 @@ class MainJobArguments:
             without, which teaches itself with `self_distillation`, `recipes/tiny/self_distill.yaml`) or
             `"smollm2_terse"` (a real model: SmolLM2-135M-Instruct, built on first use by `tvopd_trl.pretrained`,
             teaches itself to answer general questions in at most ten words as it does after four terse few-shot
-            turns, its `teacher_prompt`: `tvopd_trl.terse_task`, `recipes/real/smollm2_terse.yaml`). Its held-out
-            splits are `eval_benchmark`'s: `tiny`, `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`,
-            `tiny` and `terse`. With `self_distillation` on `hint` or `smollm2_terse`, the reference the gap is
+            turns, its `teacher_prompt`: `tvopd_trl.terse_task`, `recipes/real/smollm2_terse.yaml`) or
+            `"smollm2_draft"` (a speculative-decoding draft: SmolLM2-135M-Instruct's first 4 of 30 decoder layers, its
+            embeddings, final norm and head kept, built on first use beside the model, learns on the same questions
+            as plain user turns to draft for the whole model, its teacher; measured by `eval_acceptance_prompts`:
+            `recipes/real/smollm2_draft.yaml`, docs/drafts.md). Its held-out splits are `eval_benchmark`'s: `tiny`,
+            `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`, `tiny`, `terse` and `terse`. With `self_distillation` on `hint` or `smollm2_terse`, the reference the gap is
             measured to is the untrained student's score with the privileged context shown (`tiny-hinted`,
             `terse-fewshot`), in place of the teacher's.
         embedded_teacher (`str`, *optional*):
@@ -160,6 +169,21 @@ class MainJobArguments:
             answered greedily before and after training: the summary's `control_retention` is the share of the
             problems it answered right before that it still answers right after, so that a run that wins its metric
             by breaking the model is seen. Defaults to none.
+
+        > Parameters that control the draft evaluation
+
+        eval_acceptance_prompts (`int`, *optional*, defaults to `0`):
+            Measure the student as a speculative-decoding draft of its teacher, before and after training, on the first
+            this many problems of the first `eval_benchmark` (its prompts as the accuracy evaluation renders them):
+            transformers' assisted generation of the teacher with the student drafting, sampled at the rollouts'
+            `temperature` with nothing truncated, `eval_max_new_tokens` tokens a prompt, counts the drafted tokens
+            its verifier tests and accepts (`tvopd_trl.speculative.draft_report`). The summary's `draft_before` and
+            `draft_after` hold the acceptance rate with its 95% interval, the tokens each teacher forward yields
+            beside their prediction at that rate, and the wall-clock speedup over the teacher generating alone (which
+            depends on the hardware). It needs one local teacher with the student's tokenizer and one process. `0`
+            disables it.
+        eval_acceptance_gamma (`int`, *optional*, defaults to `3`):
+            Tokens the draft proposes per verification in that measurement.
     """
 
     embedded_task: str = field(
@@ -202,6 +226,10 @@ class MainJobArguments:
     eval_control_benchmark: str | None = field(
         default=None, metadata={"help": "Control benchmark answered greedily before and after (e.g. facts)."}
     )
+    eval_acceptance_prompts: int = field(
+        default=0, metadata={"help": "Prompts the student's acceptance rate as a draft is measured on; 0 disables."}
+    )
+    eval_acceptance_gamma: int = field(default=3, metadata={"help": "Tokens drafted per verification there."})
 
 
 class RecipeParser(OneLineErrors, TrlParser):
@@ -377,6 +405,14 @@ def load_job(job_args, training_args, model_args):
         from .terse_task import MODEL
 
         family = {"student": None if model_args.model_name_or_path else str(model_path(MODEL)), "teachers": None}
+    elif task == "smollm2_draft":  # the real model's first layers, built on first use beside it, drafting for it
+        from .pretrained import default_model_dir, model_path
+        from .speculative import truncated_draft_dir
+        from .terse_task import MODEL
+
+        target = str(model_path(MODEL))
+        cut = default_model_dir(MODEL).with_name(f"{MODEL}-first-{DRAFT_LAYERS}-layers")
+        family = {"student": truncated_draft_dir(target, DRAFT_LAYERS, cut), "teachers": target}
     elif task == "multi_teacher":
         family = tiny.multi_teacher_paths()
     elif task in ("long_addition", "addition_vllm", "tools"):
@@ -423,6 +459,10 @@ def load_job(job_args, training_args, model_args):
             from .terse_task import prompt_dataset
 
             train_dataset = prompt_dataset("train")  # `prompt` bare, `teacher_prompt` after the few-shot turns
+        elif task == "smollm2_draft":
+            from .terse_task import prompt_dataset
+
+            train_dataset = prompt_dataset("train").remove_columns("teacher_prompt")  # the questions as they come
         else:
             train_dataset = tiny.prompt_dataset("opd", skill="addition" if task == "addition_vllm" else task)
     else:
@@ -504,6 +544,37 @@ class Accuracy:
         return sum(scores.values()) / len(scores)
 
 
+class DraftAcceptance:
+    """The student's acceptance rate as a speculative-decoding draft of its teacher (`eval_acceptance_prompts`), with
+    the job's sampling temperature, on the first problems of its first benchmark: a summary record of
+    `tvopd_trl.speculative.draft_report`. The teacher's speed alone is timed once, at the first call."""
+
+    def __init__(self, job_args, temperature, tokenizer, seed):
+        benchmark = get_benchmark(job_args.eval_benchmark.split(",")[0].strip())
+        problems = load_problems(benchmark, data_dir=job_args.eval_data_dir, limit=job_args.eval_acceptance_prompts)
+        self.prompts = [benchmark.prompt(problem) for problem in problems]
+        self.sampling = dict(temperature=temperature, max_new_tokens=job_args.eval_max_new_tokens, seed=seed)
+        self.gamma, self.tokenizer, self.teacher_speed = job_args.eval_acceptance_gamma, tokenizer, None
+
+    def __call__(self, student, teacher):
+        import torch
+
+        from .speculative import draft_report, generation_speed
+
+        with torch.random.fork_rng():  # the training run's random stream is left untouched
+            if self.teacher_speed is None:
+                self.teacher_speed = generation_speed(teacher, self.tokenizer, self.prompts, **self.sampling)
+            return draft_report(
+                teacher,
+                student,
+                self.tokenizer,
+                self.prompts,
+                self.gamma,
+                target_speed=self.teacher_speed,
+                **self.sampling,
+            )
+
+
 def check_job_arguments(job_args, training_args, model_args):
     """Refuses, before any model loads, what the job cannot run: a student without its teacher (or the reverse; with
     `self_distillation` the student is its own), self-distillation on an embedded task without privileged context, the
@@ -551,6 +622,31 @@ def check_job_arguments(job_args, training_args, model_args):
         )
     if job_args.embedded_task in EMBEDDED_BUDGETS and not custom:
         check_embedded_budget(job_args, training_args)
+    if job_args.eval_acceptance_prompts > 0:
+        check_draft_evaluation(job_args, training_args)
+
+
+def check_draft_evaluation(job_args, training_args):
+    """`eval_acceptance_prompts` measures the student drafting for its teacher in one process: both models there, one
+    tokenizer."""
+    teacher = training_args.teacher_model_name_or_path
+    reasons = {
+        "a served teacher (`teacher_model_server_url`)": training_args.teacher_model_server_url is not None,
+        "several teachers": isinstance(teacher, dict),
+        "a self-teacher (`self_distillation`)": training_args.self_distillation is not None,
+        "a teacher of another tokenizer (`cross_tokenizer`)": training_args.cross_tokenizer,
+    }
+    found = [reason for reason, present in reasons.items() if present]
+    if found:
+        raise ValueError(
+            f"`eval_acceptance_prompts` measures the student drafting for one local teacher with its tokenizer, "
+            f"through transformers' assisted generation: not with {found[0]}. Set it to 0, or measure the trained "
+            "student with `tvopd_trl.speculative.draft_report` (docs/drafts.md)."
+        )
+    if job_args.eval_acceptance_gamma < 1:
+        raise ValueError(
+            f"`eval_acceptance_gamma` drafts at least 1 token a verification; got {job_args.eval_acceptance_gamma}."
+        )
 
 
 def check_self_distillation(job_args, training_args, custom_models):

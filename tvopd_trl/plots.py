@@ -75,7 +75,10 @@ def plot_run(log_history, accuracy_history, output_dir, teacher_accuracy=None, r
     for key in ("tv/estimate", "tv/ema", "tv/reference", *(f"tv/{name}/ema" for name in teachers)):
         if any(key in entry for entry in log_history):
             left.plot(*_series(log_history, key), label=key)
-    left.set(xlabel="optimizer step", ylabel="total variation", title="On-policy TV estimate")
+    # 1 - the estimate: the student's estimated acceptance rate as a speculative-sampling draft of its teacher
+    if any("tv/acceptance" in entry for entry in log_history):
+        left.plot(*_series(log_history, "tv/acceptance"), linestyle=":", label="tv/acceptance (as a draft)")
+    left.set(xlabel="optimizer step", ylabel="total variation / acceptance", title="On-policy TV estimate")
     left.legend()
     for key in ("tv/scale", *(f"tv/{name}/scale" for name in teachers)):
         if any(key in entry for entry in log_history):

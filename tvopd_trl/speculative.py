@@ -24,13 +24,17 @@ training measures it on the student's rollouts, while speculative decoding visit
 
 import copy
 import math
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import transformers.generation.utils as generation_utils
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .tv import tv_estimate
 
@@ -146,11 +150,51 @@ def _recording_verifications(verifications: list):
         generation_utils._speculative_sampling = original
 
 
+def _conversation(prompt):
+    """A prompt as chat messages: a string is one user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def _check_plain_user_turns(tokenizer, prompts):
+    """Refuses a prompt that already holds the chat template's special tokens: templated twice, it would be measured
+    at states no served request has."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False
+    )
+    markers = [token for token in tokenizer.all_special_tokens if token in rendered]
+    for index, prompt in enumerate(prompts):
+        found = [token for message in _conversation(prompt) for token in markers if token in message["content"]]
+        if found:
+            raise ValueError(
+                f"Prompt {index} holds the chat template's {found[0]!r}: pass each prompt as the user turn's plain "
+                "text, or as chat messages (measure_assisted_acceptance applies the chat template itself)."
+            )
+
+
+def _prompt_ids(tokenizer, prompt, device):
+    ids = tokenizer.apply_chat_template(
+        _conversation(prompt), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    return ids.to(device)
+
+
+def _sampling(tokenizer, temperature, max_new_tokens):
+    """`generate`'s keywords: sampling at `temperature` with nothing truncated."""
+    return dict(
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def measure_assisted_acceptance(
     target,
     draft,
     tokenizer,
-    prompts: list[str],
+    prompts: list,
     gamma: int,
     temperature: float = 1.0,
     max_new_tokens: int = 32,
@@ -159,8 +203,8 @@ def measure_assisted_acceptance(
 ) -> AssistedAcceptance:
     """
     Runs transformers' assisted generation of `target` with `draft` drafting `gamma` tokens per verification, sampling
-    at `temperature` with nothing truncated (top-k and top-p off), on each of `prompts` as a chat-templated user turn,
-    and counts the drafted tokens its verifier tested and accepted.
+    at `temperature` with nothing truncated (top-k and top-p off), on each of `prompts` (a user turn's plain text, or
+    chat messages) with the chat template applied, and counts the drafted tokens its verifier tested and accepted.
 
     A verification of k candidates that accepts the first n tests n + 1 of them when n < k (the first rejection ends
     it) and all k otherwise. k is `gamma` except where the draft stopped at EOS or where too little room was left
@@ -169,6 +213,7 @@ def measure_assisted_acceptance(
     """
     if draft is target:
         raise ValueError("The draft must be a model of its own: the target's forward passes are counted by a hook.")
+    _check_plain_user_turns(tokenizer, prompts)
     verifications = []
     sequences, tested_masks = [], []
     generated = 0
@@ -179,23 +224,13 @@ def measure_assisted_acceptance(
     try:
         with _drafting(draft, gamma), _recording_verifications(verifications), torch.no_grad():
             for prompt in prompts:
-                input_ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    return_tensors="pt",
-                    return_dict=True,
-                )["input_ids"].to(target.device)
+                input_ids = _prompt_ids(tokenizer, prompt, target.device)
                 first = len(verifications)
                 output = target.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     assistant_model=draft,
-                    do_sample=True,
-                    temperature=temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
+                    **_sampling(tokenizer, temperature, max_new_tokens),
                 )
                 tested_mask = torch.zeros_like(output, dtype=torch.bool)
                 for position, candidates, accepted in verifications[first:]:
@@ -262,3 +297,72 @@ def estimate_acceptance(
         exact=float(exact),
         states=int(states.sum()),
     )
+
+
+def generation_speed(
+    target, tokenizer, prompts: list, temperature: float, max_new_tokens: int, seed: int = 0
+) -> float:
+    """Tokens a second that `target` generates alone on `prompts`, one at a time, sampled as
+    [`measure_assisted_acceptance`] samples: the baseline of a draft's speedup."""
+    torch.manual_seed(seed)
+    generated, start = 0, time.perf_counter()
+    with torch.no_grad():
+        for prompt in prompts:
+            input_ids = _prompt_ids(tokenizer, prompt, target.device)
+            output = target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                **_sampling(tokenizer, temperature, max_new_tokens),
+            )
+            generated += output.shape[1] - input_ids.shape[1]
+    return generated / (time.perf_counter() - start)
+
+
+def draft_report(
+    target,
+    draft,
+    tokenizer,
+    prompts: list,
+    gamma: int,
+    temperature: float,
+    max_new_tokens: int,
+    target_speed: float,
+    seed: int = 0,
+) -> dict:
+    """`draft`'s measured acceptance rate for `target` on `prompts` ([`measure_assisted_acceptance`]) as a summary's
+    record: the rate, its 95% interval and the drafted tokens tested; the tokens each target forward yielded, beside
+    [`expected_tokens_per_verification`]'s prediction at that rate; and the assisted generation's tokens a second, with
+    its speedup over `target_speed` ([`generation_speed`]), which depends on the hardware."""
+    measured = measure_assisted_acceptance(
+        target, draft, tokenizer, prompts, gamma, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
+    )
+    speed = measured.generated_tokens / measured.wall_seconds
+    return {
+        "acceptance": measured.acceptance,
+        "interval": list(measured.interval),
+        "tested": measured.tested,
+        "gamma": gamma,
+        "tokens_per_forward": measured.tokens_per_forward,
+        "expected_tokens_per_verification": expected_tokens_per_verification(measured.acceptance, gamma),
+        "tokens_per_second": speed,
+        "speedup": speed / target_speed,
+    }
+
+
+def truncated_draft_dir(target_dir, num_layers: int, output_dir) -> str:
+    """The folder of [`truncated_draft`] of the model at `target_dir`, with its tokenizer: `output_dir`, written there
+    on first use (in a sibling folder renamed into place when whole)."""
+    output_dir = str(output_dir)
+    if os.path.isfile(os.path.join(output_dir, "config.json")):
+        return output_dir
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(dir=parent, prefix=".draft-")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    truncated_draft(target, num_layers).save_pretrained(staging)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(staging)
+    try:
+        os.rename(staging, output_dir)
+    except OSError:  # another process put it there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return output_dir

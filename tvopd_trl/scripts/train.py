@@ -39,6 +39,7 @@ from ..eval import retention
 from ..eval.selection import gap_closed
 from ..job import (
     Accuracy,
+    DraftAcceptance,
     MainJobArguments,  # noqa: F401  (moved to `tvopd_trl.job`; this import keeps working)
     apply_model_config,
     check_job_arguments,
@@ -76,6 +77,13 @@ def main(job_args, training_args, model_args):
     control = None  # what the student could already do, answered greedily before and after (`control_retention`)
     if job_args.eval_control_benchmark and job_args.eval_problems > 0:
         control = Accuracy(job_args, tokenizer, benchmarks=[job_args.eval_control_benchmark], **rendering)
+    draft = None  # the student as a speculative-decoding draft of its teacher, measured before and after
+    if job_args.eval_acceptance_prompts > 0:
+        if state.num_processes > 1:
+            raise ValueError(
+                "`eval_acceptance_prompts` measures the draft in one process: launch the job with one (or set it to 0)."
+            )
+        draft = DraftAcceptance(job_args, training_args.temperature, tokenizer, training_args.seed)
     local_teachers = teacher_sources = teacher_path
     if servers is not None:
         # `teacher_model_name_or_path` names the served teachers' tokenizers; its other names are local teachers.
@@ -164,6 +172,11 @@ def main(job_args, training_args, model_args):
                 control_before = control(
                     student, greedy=True, output_dir=_control_dir(out, 0), model_id=out, **sharded
                 )
+    drafts = {}  # "before" / "after" -> `draft`'s record
+    if draft is not None:
+        (drafting_for,) = trainer.teachers.values()
+        with generation_model(trainer) as student, generation_model(trainer, drafting_for.model) as teacher:
+            drafts["before"] = draft(student, teacher)
     train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=_resume_argument(training_args.resume_from_checkpoint))
     train_seconds = time.perf_counter() - train_start
@@ -200,6 +213,9 @@ def main(job_args, training_args, model_args):
             if control is not None:
                 after_dir = _control_dir(out, final_step)
                 control_after = control(student, greedy=True, output_dir=after_dir, model_id=out, **sharded)
+    if draft is not None:
+        with generation_model(trainer) as student, generation_model(trainer, drafting_for.model) as teacher:
+            drafts["after"] = draft(student, teacher)
     if state.is_main_process:
         if "student_accuracy_before" in scores:
             curves = [(0, scores["student_accuracy_before"]), *curves]
@@ -238,6 +254,8 @@ def main(job_args, training_args, model_args):
             "final_tv_scale": last.get("tv/scale"),
             **({"final_tv_scales": scales} if len(scales) > 1 else {}),
             "final_tv_estimate": last.get("tv/estimate"),
+            "final_tv_acceptance": last.get("tv/acceptance"),
+            **{f"draft_{when}": record for when, record in drafts.items()},
             "accuracy_curve": history,
             **({"accuracy_curves": curves} if accuracy is not None and len(accuracy.benchmarks) > 1 else {}),
             "student": student_path,
@@ -364,10 +382,20 @@ def _summary_footer(summary, output_dir):
         scale_text = "final " + ", ".join(f"{key} {value:.3f}" for key, value in scales.items())
     else:
         scale_text = f"final tv/scale {'-' if scale is None else f'{scale:.3f}'}"
+    drafts = [summary[key] for key in ("draft_before", "draft_after") if key in summary]
+    draft_text = ""
+    if drafts:
+        draft_text = (
+            f"as a draft (gamma {drafts[0]['gamma']}, {args['eval_acceptance_prompts']} prompts): acceptance "
+            + " -> ".join(f"{d['acceptance']:.3f}" for d in drafts)
+            + ", speedup "
+            + " -> ".join(f"{d['speedup']:.2f}x" for d in drafts)
+            + " on this machine\n"
+        )
     return (
         f"{args['eval_problems']} held-out problems, sampled at T={args['eval_temperature']}, top-p "
         f"{args['eval_top_p']}, top-k {args['eval_top_k']}\n"
-        f"{gaps} · {scale_text} · {summary['wall_seconds']:.0f} s\n"
+        f"{draft_text}{gaps} · {scale_text} · {summary['wall_seconds']:.0f} s\n"
         f"plots and summary.json in {output_dir}"
     )
 
