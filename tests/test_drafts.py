@@ -14,7 +14,8 @@ from tvopd_trl.speculative import expected_tokens_per_verification, measure_assi
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 MEASURED = ["--eval_acceptance_prompts", "4", "--eval_acceptance_gamma", "2", "--eval_max_new_tokens", "8"]
-SHORT = ["--max_steps", "2", "--eval_problems", "0", "--logging_steps", "1", "--seed", "3", *MEASURED]
+UNMEASURED = ["--max_steps", "2", "--eval_problems", "0", "--logging_steps", "1", "--seed", "3"]
+SHORT = [*UNMEASURED, *MEASURED]
 
 
 def test_the_job_measures_the_student_as_a_draft_of_its_teacher_before_and_after(tmp_path):
@@ -45,6 +46,15 @@ def test_the_job_measures_the_student_as_a_draft_of_its_teacher_before_and_after
     history = json.loads((tmp_path / "log_history.json").read_text())
     last = [entry for entry in history if "tv/estimate" in entry][-1]
     assert summary["final_tv_acceptance"] == last["tv/acceptance"] == pytest.approx(1 - last["tv/estimate"])
+
+
+def test_the_measurement_leaves_the_training_run_as_it_was(tmp_path):
+    def trained(output_dir, *flags):
+        run(["--config", str(RECIPES / "tiny" / "tvopd.yaml"), "--output_dir", str(output_dir), *UNMEASURED, *flags])
+        history = json.loads((output_dir / "log_history.json").read_text())
+        return [{k: v for k, v in entry.items() if "time" not in k and "per_second" not in k} for entry in history]
+
+    assert trained(tmp_path / "measured", *MEASURED) == trained(tmp_path / "plain")
 
 
 @pytest.mark.parametrize(
