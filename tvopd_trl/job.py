@@ -432,9 +432,12 @@ def load_job(job_args, training_args, model_args):
         family["teachers"] = tiny.cross_tokenizer_paths()[CROSS_TOKENIZER_TEACHERS[job_args.embedded_teacher]]
     elif job_args.embedded_teacher is not None:
         family["teachers"] = family["teachers"][job_args.embedded_teacher]
-    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check;
-    # with `self_distillation`, the student is its own teacher.
+    # With a teacher server, `teacher_model_name_or_path` only names the teacher's tokenizer, for the vocabulary check
+    # (the draft task's server serves its target, whose folder names it); with `self_distillation`, the student is its
+    # own teacher.
     embedded_teacher = None if served or training_args.self_distillation is not None else family["teachers"]
+    if served and task == "smollm2_draft" and model_args.model_name_or_path is None:
+        embedded_teacher = family["teachers"]
     teacher_path = training_args.teacher_model_name_or_path or embedded_teacher
     check_model_source(student_path, "`model_name_or_path`")
     if isinstance(teacher_path, dict):
