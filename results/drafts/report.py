@@ -37,7 +37,7 @@ def spread(values, digits=3):
 def table(runs, temperatures):
     before = [run["before"] for runs_of in runs.values() for run in runs_of if "before" in run]
     header = ["draft", *(f"measured acceptance, T = {t}" for t in temperatures)]
-    header += ["own-state `tv/acceptance`, steps 1-5 -> last 5", "seconds a step"]
+    header += ["own-state `tv/acceptance`, steps 1-5 -> 26-30", "seconds a step"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     if before:
         cells = [spread([b[t]["acceptance"] for b in before]) for t in temperatures]
