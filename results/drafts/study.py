@@ -159,6 +159,8 @@ class MeasuredCurve(TrainerCallback):
         if state.global_step % self.every == 0:
             with torch.random.fork_rng():
                 self.curve.append({"step": state.global_step, **self.measure(model, last_only=True)})
+            # The trainer logs this step's training metrics only from a model in training mode
+            model.train()
 
 
 def objective_trainer(objective, draft_dir, target_dir, settings, train):
