@@ -38,6 +38,9 @@ def test_the_job_measures_the_student_as_a_draft_of_its_teacher_before_and_after
         assert record["tokens_per_forward"] == measured.tokens_per_forward
         assert record["expected_tokens_per_verification"] == expected_tokens_per_verification(record["acceptance"], 2)
         assert record["gamma"] == 2 and record["speedup"] > 0 and record["tokens_per_second"] > 0
+        assert (
+            0 <= record["own_state_estimate"] <= 1 and 0 < record["own_state_exact"] < 1 and record["own_states"] > 0
+        )
     # Each timed against the teacher alone, timed just before it
     for record in (summary["draft_before"], summary["draft_after"]):
         assert record["tokens_per_second"] / record["speedup"] == pytest.approx(record["target_tokens_per_second"])

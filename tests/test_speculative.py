@@ -14,6 +14,7 @@ from tvopd_trl.speculative import (
     estimate_acceptance,
     expected_tokens_per_verification,
     measure_assisted_acceptance,
+    own_state_acceptance,
     truncated_draft,
     wilson_interval,
 )
@@ -132,6 +133,33 @@ def test_a_copy_of_the_target_as_draft_is_accepted_gamma_plus_one_tokens_a_forwa
     with pytest.raises(ValueError, match="model of its own"):
         measure_assisted_acceptance(target, target, tokenizer, ["1+2="], gamma=3)
     assert "1111" not in "".join("1" if tested else "0" for tested in result.tested_mask[0][0].tolist())
+
+
+def test_the_own_state_rate_is_taken_at_the_drafts_own_samples(tokenizer):
+    target = build_model(tokenizer, seed=1)
+    same = own_state_acceptance(target, copy.deepcopy(target), tokenizer, ["1+2=", "3+4="], 1.0, max_new_tokens=6)
+    assert same.estimate == pytest.approx(1.0) and same.exact == pytest.approx(1.0) and 2 <= same.states <= 12
+    other = build_model(tokenizer, seed=2)
+    apart = own_state_acceptance(target, other, tokenizer, ["1+2=", "3+4="], 1.0, max_new_tokens=6, seed=5)
+    # The states are the draft's own samples: each prompt's tokens up to its end of turn
+    torch.manual_seed(5)
+    expected = 0
+    for prompt in ["1+2=", "3+4="]:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        out = other.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=6,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, ids.shape[1] :].tolist()
+        expected += out.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in out else len(out)
+    assert apart.states == expected and 0 < apart.exact < 1
 
 
 def test_a_prompt_already_chat_templated_is_refused(tokenizer):

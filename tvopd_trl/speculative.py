@@ -318,6 +318,38 @@ def generation_speed(
     return generated / (time.perf_counter() - start)
 
 
+def own_state_acceptance(
+    target, draft, tokenizer, prompts: list, temperature: float, max_new_tokens: int, seed: int = 0
+) -> AcceptanceEstimate:
+    """[`estimate_acceptance`] at the states of `draft`'s own samples on `prompts` (sampled as
+    [`measure_assisted_acceptance`] samples, one completion a prompt): the rate `tv/acceptance` reads in training, on
+    other prompts, beside the exact mean of sum_v min(p_v, q_v) there."""
+    torch.manual_seed(seed)
+    rows = []
+    with torch.no_grad():
+        for prompt in prompts:
+            input_ids = _prompt_ids(tokenizer, prompt, draft.device)
+            output = draft.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                **_sampling(tokenizer, temperature, max_new_tokens),
+            )[0]
+            completion = output[input_ids.shape[1] :]
+            # Up to and with the end of turn: generate pads a finished row
+            ends = (completion == tokenizer.eos_token_id).nonzero()
+            length = int(ends[0]) + 1 if len(ends) else len(completion)
+            rows.append((output[: input_ids.shape[1] + length], input_ids.shape[1]))
+    width = max(len(row) for row, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)  # masked out
+    attention_mask = torch.zeros_like(input_ids)
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for index, (row, prompt_length) in enumerate(rows):
+        input_ids[index, : len(row)], attention_mask[index, : len(row)] = row, 1
+        mask[index, prompt_length : len(row)] = True
+    generator = torch.Generator().manual_seed(seed)
+    return estimate_acceptance(target, draft, input_ids, attention_mask, mask, temperature, generator=generator)
+
+
 def draft_report(
     target,
     draft,
@@ -331,12 +363,15 @@ def draft_report(
 ) -> dict:
     """`draft`'s measured acceptance rate for `target` on `prompts` ([`measure_assisted_acceptance`]) as a summary's
     record: the rate, its 95% interval and the drafted tokens tested; the tokens each target forward yielded, beside
-    [`expected_tokens_per_verification`]'s prediction at that rate; and the assisted generation's tokens a second, with
-    its speedup over `target_speed` ([`generation_speed`]), which depends on the hardware."""
+    [`expected_tokens_per_verification`]'s prediction at that rate; the assisted generation's tokens a second, with
+    its speedup over `target_speed` ([`generation_speed`]), which depends on the hardware; and the rate at the states
+    of the draft's own samples on the same prompts ([`own_state_acceptance`]: the estimate `tv/acceptance` reads, and
+    the exact rate), which for a draft far from its target differs from the measured one."""
     measured = measure_assisted_acceptance(
         target, draft, tokenizer, prompts, gamma, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed
     )
     speed = measured.generated_tokens / measured.wall_seconds
+    own = own_state_acceptance(target, draft, tokenizer, prompts, temperature, max_new_tokens, seed)
     return {
         "acceptance": measured.acceptance,
         "interval": list(measured.interval),
@@ -346,6 +381,9 @@ def draft_report(
         "expected_tokens_per_verification": expected_tokens_per_verification(measured.acceptance, gamma),
         "tokens_per_second": speed,
         "speedup": speed / target_speed,
+        "own_state_estimate": own.estimate,
+        "own_state_exact": own.exact,
+        "own_states": own.states,
     }
 
 
