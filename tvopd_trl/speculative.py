@@ -299,46 +299,43 @@ def estimate_acceptance(
     )
 
 
-def generation_speed(
-    target, tokenizer, prompts: list, temperature: float, max_new_tokens: int, seed: int = 0
-) -> float:
-    """Tokens a second that `target` generates alone on `prompts`, one at a time, sampled as
-    [`measure_assisted_acceptance`] samples: the baseline of a draft's speedup."""
+def _samples(model, tokenizer, prompts: list, temperature: float, max_new_tokens: int, seed: int):
+    """`(prompt ids, prompt and sampled completion)` of `model` alone for each of `prompts`, one at a time, sampled as
+    [`measure_assisted_acceptance`] samples."""
     torch.manual_seed(seed)
-    generated, start = 0, time.perf_counter()
     with torch.no_grad():
         for prompt in prompts:
-            input_ids = _prompt_ids(tokenizer, prompt, target.device)
-            output = target.generate(
+            input_ids = _prompt_ids(tokenizer, prompt, model.device)
+            output = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 **_sampling(tokenizer, temperature, max_new_tokens),
             )
-            generated += output.shape[1] - input_ids.shape[1]
+            yield input_ids, output[0]
+
+
+def generation_speed(
+    target, tokenizer, prompts: list, temperature: float, max_new_tokens: int, seed: int = 0
+) -> float:
+    """Tokens a second that `target` generates alone on `prompts`: the baseline of a draft's speedup."""
+    start = time.perf_counter()
+    sampled = _samples(target, tokenizer, prompts, temperature, max_new_tokens, seed)
+    generated = sum(len(output) - input_ids.shape[1] for input_ids, output in sampled)
     return generated / (time.perf_counter() - start)
 
 
 def own_state_acceptance(
     target, draft, tokenizer, prompts: list, temperature: float, max_new_tokens: int, seed: int = 0
 ) -> AcceptanceEstimate:
-    """[`estimate_acceptance`] at the states of `draft`'s own samples on `prompts` (sampled as
-    [`measure_assisted_acceptance`] samples, one completion a prompt): the rate `tv/acceptance` reads in training, on
-    other prompts, beside the exact mean of sum_v min(p_v, q_v) there."""
-    torch.manual_seed(seed)
+    """[`estimate_acceptance`] at the states of `draft`'s own samples on `prompts` (one completion a prompt): the rate
+    `tv/acceptance` reads in training, on other prompts, beside the exact mean of sum_v min(p_v, q_v) there."""
     rows = []
-    with torch.no_grad():
-        for prompt in prompts:
-            input_ids = _prompt_ids(tokenizer, prompt, draft.device)
-            output = draft.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                **_sampling(tokenizer, temperature, max_new_tokens),
-            )[0]
-            completion = output[input_ids.shape[1] :]
-            # Up to and with the end of turn: generate pads a finished row
-            ends = (completion == tokenizer.eos_token_id).nonzero()
-            length = int(ends[0]) + 1 if len(ends) else len(completion)
-            rows.append((output[: input_ids.shape[1] + length], input_ids.shape[1]))
+    for input_ids, output in _samples(draft, tokenizer, prompts, temperature, max_new_tokens, seed):
+        completion = output[input_ids.shape[1] :]
+        # Up to and with the end of turn: generate pads a finished row
+        ends = (completion == tokenizer.eos_token_id).nonzero()
+        length = int(ends[0]) + 1 if len(ends) else len(completion)
+        rows.append((output[: input_ids.shape[1] + length], input_ids.shape[1]))
     width = max(len(row) for row, _ in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0, dtype=torch.long)  # masked out
     attention_mask = torch.zeros_like(input_ids)
