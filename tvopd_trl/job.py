@@ -102,9 +102,10 @@ class MainJobArguments:
             embeddings, final norm and head kept, built on first use beside the model, learns on the same questions
             as plain user turns to draft for the whole model, its teacher; measured by `eval_acceptance_prompts`:
             `recipes/real/smollm2_draft.yaml`, docs/drafts.md). Its held-out splits are `eval_benchmark`'s: `tiny`,
-            `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`, `tiny`, `terse` and `terse`. With `self_distillation` on `hint` or `smollm2_terse`, the reference the gap is
-            measured to is the untrained student's score with the privileged context shown (`tiny-hinted`,
-            `terse-fewshot`), in place of the teacher's.
+            `tiny,tiny-subtraction`, `tiny-long-addition`, `tiny`, `tiny-tools`, `tiny`, `terse` and `terse`. With
+            `self_distillation` on `hint` or `smollm2_terse`, the reference the gap is measured to is the untrained
+            student's score with the privileged context shown (`tiny-hinted`, `terse-fewshot`), in place of the
+            teacher's.
         embedded_teacher (`str`, *optional*):
             An embedded teacher other than the task's own. With `embedded_task: addition`, `weak`: the tiny pair's
             imperfect teacher, a checkpoint of the same run that solves 60-75% of the held-out split
@@ -390,6 +391,18 @@ def check_model_source(name, what):
         ) from None
 
 
+def embedded_draft_paths():
+    """`embedded_task: smollm2_draft`'s (draft, target) folders: the real model's (built on first use) and its first
+    `DRAFT_LAYERS` layers' beside it (`<model>-first-4-layers`, built on first use)."""
+    from .pretrained import default_model_dir, model_path
+    from .speculative import truncated_draft_dir
+    from .terse_task import MODEL
+
+    target = str(model_path(MODEL))
+    cut = default_model_dir(MODEL).with_name(f"{MODEL}-first-{DRAFT_LAYERS}-layers")
+    return truncated_draft_dir(target, DRAFT_LAYERS, cut), target
+
+
 def load_job(job_args, training_args, model_args):
     """The job's student and teacher paths (the teacher's is None when only served, a mapping by name with several), the
     student's tokenizer and the prompt dataset."""
@@ -406,13 +419,7 @@ def load_job(job_args, training_args, model_args):
 
         family = {"student": None if model_args.model_name_or_path else str(model_path(MODEL)), "teachers": None}
     elif task == "smollm2_draft":  # the real model's first layers, built on first use beside it, drafting for it
-        from .pretrained import default_model_dir, model_path
-        from .speculative import truncated_draft_dir
-        from .terse_task import MODEL
-
-        target = str(model_path(MODEL))
-        cut = default_model_dir(MODEL).with_name(f"{MODEL}-first-{DRAFT_LAYERS}-layers")
-        family = {"student": truncated_draft_dir(target, DRAFT_LAYERS, cut), "teachers": target}
+        family = dict(zip(("student", "teachers"), embedded_draft_paths(), strict=True))
     elif task == "multi_teacher":
         family = tiny.multi_teacher_paths()
     elif task in ("long_addition", "addition_vllm", "tools"):

@@ -15,10 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tvopd_trl.eval import get_benchmark, load_problems
-from tvopd_trl.job import DRAFT_LAYERS
-from tvopd_trl.pretrained import default_model_dir, model_path
+from tvopd_trl.job import embedded_draft_paths
 from tvopd_trl.speculative import draft_report, generation_speed
-from tvopd_trl.terse_task import MODEL
 
 
 def main():
@@ -26,8 +24,7 @@ def main():
     parser.add_argument("trained", help="the trained draft's folder (the recipe's output_dir)")
     parser.add_argument("--output", required=True)
     args = parser.parse_args()
-    target_dir = str(model_path(MODEL))
-    cut = default_model_dir(MODEL).with_name(f"{MODEL}-first-{DRAFT_LAYERS}-layers")
+    cut, target_dir = embedded_draft_paths()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     benchmark = get_benchmark("terse")
@@ -35,7 +32,7 @@ def main():
     sampling = dict(temperature=1.0, max_new_tokens=32, seed=0)
     speed = generation_speed(target, tokenizer, prompts, **sampling)
     results = {"target_tokens_per_second": speed}
-    for name, path in (("before", str(cut)), ("after", args.trained)):
+    for name, path in (("before", cut), ("after", args.trained)):
         draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         results[name] = draft_report(target, draft, tokenizer, prompts, 3, target_speed=speed, **sampling)
     results["target_tokens_per_second_again"] = generation_speed(target, tokenizer, prompts, **sampling)

@@ -17,10 +17,9 @@ import argparse
 import json
 import os
 
-from tvopd_trl.job import DRAFT_LAYERS
-from tvopd_trl.pretrained import default_model_dir, model_path
-from tvopd_trl.speculative import truncated_draft_dir, wilson_interval
-from tvopd_trl.terse_task import MODEL, questions
+from tvopd_trl.job import embedded_draft_paths
+from tvopd_trl.speculative import wilson_interval
+from tvopd_trl.terse_task import questions
 
 
 def main():
@@ -37,9 +36,8 @@ def main():
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM, SamplingParams
 
-    target = str(model_path(MODEL))
-    cut = default_model_dir(MODEL).with_name(f"{MODEL}-first-{DRAFT_LAYERS}-layers")
-    draft = args.draft or truncated_draft_dir(target, DRAFT_LAYERS, cut)
+    cut, target = embedded_draft_paths()
+    draft = args.draft or cut
     speculative = {
         "model": draft,
         "num_speculative_tokens": args.gamma,
