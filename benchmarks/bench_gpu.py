@@ -51,7 +51,8 @@ largest T, met or missed, for every `tv` variant run: for a float32 student (the
 student's `tv-bf16head` step at 8,192 and the padding-free comparison on that student and head. Under the recipes'
 ZeRO-3 the student's weights are bf16 (DeepSpeed's `bf16`, float32 master weights in its optimizer:
 docs/scaling.md) and the head is TRL's float32 one whatever `lm_head_precision` says, so the bf16 student's
-`tv-fp32head` rows are the recipes' compute; the float32 rows are a single-GPU launch's (autocast).
+`tv-fp32head` rows are the recipes' compute; the float32 rows are a single-GPU launch's (autocast). The
+padding-free step is profiled too (issue 60: where a packed sequence's time goes with `sdpa`).
 
 Optional parts, in this order, each skipped (and said so) when its estimated time would end the run after
 `--deadline-s` seconds (`--estimate-only` lists the ones the estimate already skips): `--profile` (torch.profiler
@@ -59,11 +60,11 @@ over one `tv` step at the largest T, or the preset's step: CUDA time per kernel 
 `--generation` (transformers `generate` tokens per second of the student, batch 1 and 8, the rollout side without
 vLLM); `--packing` (the loss phase of one rollout of B = 8 rows at the largest T, completion lengths distributed like
 a reasoning run's, padded against `padding_free` with and without a token budget: `bench_packing.py`'s rows on the
-GPU); `--zero3` (one `tv` run at T = 2,048 under DeepSpeed ZeRO-3 on this one GPU, launched with the recipe's
+GPU; with `--profile` also the profile of one padding-free step, which shows where the packed layout's time goes); `--zero3` (one `tv` run at T = 2,048 under DeepSpeed ZeRO-3 on this one GPU, launched with the recipe's
 `accelerate_configs/zero3.yaml` and `--num_processes 1`, against the unsharded `tv` row); `--long` (T = 16,384).
 
 Writes bench_gpu.json (every raw number), bench_gpu.md (the printed report) and, with --profile,
-bench_gpu_profile.txt to `--out` after every measurement, so that a run cut short keeps what it measured.
+bench_gpu_profile.txt (and with --packing bench_gpu_profile_packed.txt) to `--out` after every measurement, so that a run cut short keeps what it measured.
 """
 
 import argparse
@@ -337,6 +338,18 @@ KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins; wha
 )
 
 
+def profile_run(name, shape, data, job, where, out, filename, overrides=None):
+    """One two-step run of `name` with the profiler over its second step: the summary of `profile_summary`, headed
+    by `where`, and its costliest kernels written to `out`/`filename`."""
+    callback = profile_one_step()
+    run = measure_run(name, shape, data, {**job, "steps": WARMUP_STEPS + 1}, [callback], overrides)
+    summary = {"where": where(run), **(profile_summary(callback) if "error" not in run else run)}
+    if "table" in summary:
+        with open(os.path.join(out, filename), "w") as f:
+            f.write(f"{summary['where']}\n\n{summary.pop('table')}\n")
+    return summary
+
+
 def profile_summary(callback):
     """CUDA (CPU without one) time of the profiled step per kernel class, and the 25 costliest kernels."""
     events = callback.profiler.key_averages()
@@ -396,10 +409,10 @@ def packing_shape(config):
     return replace(shape_of(config, config["target_completion"]), batch=config["packing_batch"])
 
 
-def measure_packing(config, job, trainer="tv"):
+def measure_packing(config, job, trainer="tv", profile_out=None):
     """`bench_packing.py`'s comparison on this device: one rollout of B rows at the target T, completion lengths
     `common.reasoning_lengths`, uniform token ids, each layout of `common.PACKING_LAYOUTS` on fresh models, with the
-    `trainer` of RUNS (a `tv` variant)."""
+    `trainer` of RUNS (a `tv` variant); with `profile_out` (a folder), then the profile of one padding-free step."""
     shape = packing_shape(config)
     lengths = common.reasoning_lengths(shape.completion, shape.batch)
     data = common.ragged_rollout(shape, lengths)
@@ -407,13 +420,24 @@ def measure_packing(config, job, trainer="tv"):
     for layout in common.PACKING_LAYOUTS:
         print(f"[bench_gpu] packing: {layout}", file=sys.stderr, flush=True)
         runs[layout] = measure_run(trainer, shape, data, job, overrides=common.packing_overrides(layout, shape))
-    return {
-        "shape": asdict(shape),
-        "lengths": lengths,
-        "runs": runs,
-        "trainer": trainer,
-        "student_dtype": job["student_dtype"],
-    }
+    packing = {"shape": asdict(shape), "lengths": lengths, "runs": runs, "trainer": trainer}
+    packing["student_dtype"] = job["student_dtype"]
+    if profile_out:
+        print("[bench_gpu] packing: profile of the packed step", file=sys.stderr, flush=True)
+        packing["profile"] = profile_run(
+            trainer,
+            shape,
+            data,
+            job,
+            lambda run: (
+                f"{job['student_dtype']} student, {head_label(trainer, run)}, padding-free, B = {shape.batch}"
+                f", T up to {shape.completion}"
+            ),
+            profile_out,
+            "bench_gpu_profile_packed.txt",
+            common.packing_overrides("packed", shape),
+        )
+    return packing
 
 
 def packing_markdown(packing):
@@ -500,6 +524,8 @@ def estimate(config, cli, peak_tflops):
     if cli.packing:  # every layout at the padded cost, an upper bound
         step = estimated_step_seconds(primary_trainer, packing_shape(config), primary_dtype, peak_tflops, cli.tf32)
         parts["packing"] = len(common.PACKING_LAYOUTS) * (ASSUMED["run_overhead_s"] + steps * step)
+        if cli.profile:
+            parts["packing"] += ASSUMED["run_overhead_s"] + (WARMUP_STEPS + 1) * step
     if cli.zero3:
         parts["zero3"] = ASSUMED["zero3_startup_s"] + 1.5 * run_seconds("tv", config["zero3_completion"], "float32")
     if cli.long:
@@ -660,20 +686,22 @@ def targets(results, target_completions, peak_tflops):
     return "\n".join(lines)
 
 
+def profile_markdown(profile):
+    if "error" in profile:
+        return f"### Profile ({profile['where']})\n\nfailed: {profile['error']}"
+    total = profile["kernel_seconds_total"] or float("nan")
+    rows = [[name, common.fmt(s), f"{100 * s / total:.0f}%"] for name, s in profile["kernel_seconds"].items()]
+    return (
+        f"### Profile of one tv step ({profile['where']})\n\nstep wall time {common.fmt(profile['step_seconds'])}"
+        f" s; kernel time {common.fmt(profile['kernel_seconds_total'])} s ({profile['kernel_note']})\n\n"
+        + common.markdown_table(["kernel class", "seconds", "share"], rows)
+    )
+
+
 def extras_markdown(extras):
     parts = []
     if "profile" in extras:
-        profile = extras["profile"]
-        if "error" in profile:
-            parts.append(f"### Profile\n\nfailed: {profile['error']}")
-        else:
-            total = profile["kernel_seconds_total"] or float("nan")
-            rows = [[name, common.fmt(s), f"{100 * s / total:.0f}%"] for name, s in profile["kernel_seconds"].items()]
-            parts.append(
-                f"### Profile of one tv step ({profile['where']})\n\nstep wall time {common.fmt(profile['step_seconds'])}"
-                f" s; kernel time {common.fmt(profile['kernel_seconds_total'])} s ({profile['kernel_note']})\n\n"
-                + common.markdown_table(["kernel class", "seconds", "share"], rows)
-            )
+        parts.append(profile_markdown(extras["profile"]))
     if "generation" in extras:
         rows = []
         for g in extras["generation"]:
@@ -688,6 +716,8 @@ def extras_markdown(extras):
         )
     if "packing" in extras:
         parts.append(packing_markdown(extras["packing"]))
+        if "profile" in extras["packing"]:
+            parts.append(profile_markdown(extras["packing"]["profile"]))
     if "zero3" in extras:
         z = extras["zero3"]
         seconds, base = median_seconds(z), median_seconds(extras.get("zero3_baseline"))
@@ -886,14 +916,15 @@ def main():
     target = config["target_completion"]
     if cli.profile and fits("profile"):
         shape = shape_of(config, target)
-        callback = profile_one_step()
-        profile_job = {**primary_job, "steps": WARMUP_STEPS + 1}
-        run = measure_run(primary_trainer, shape, rollout(shape, cli.quick, cache_dir), profile_job, [callback])
-        where = f"{primary_dtype} student, {head_label(primary_trainer, run)}, T = {target}"
-        extras["profile"] = {"where": where, **(profile_summary(callback) if "error" not in run else run)}
-        if "table" in extras["profile"]:
-            with open(os.path.join(out, "bench_gpu_profile.txt"), "w") as f:
-                f.write(f"{where}\n\n{extras['profile'].pop('table')}\n")
+        extras["profile"] = profile_run(
+            primary_trainer,
+            shape,
+            rollout(shape, cli.quick, cache_dir),
+            primary_job,
+            lambda run: f"{primary_dtype} student, {head_label(primary_trainer, run)}, T = {target}",
+            out,
+            "bench_gpu_profile.txt",
+        )
         save()
     if cli.generation and fits("generation"):
         shape = shape_of(config, target)
@@ -907,7 +938,7 @@ def main():
                     extras["generation"].append({"dtype": dtype, "batch": batch, "error": str(error)[:200]})
                 save()
     if cli.packing and fits("packing"):
-        extras["packing"] = measure_packing(config, primary_job, primary_trainer)
+        extras["packing"] = measure_packing(config, primary_job, primary_trainer, out if cli.profile else None)
         save()
     if cli.zero3 and fits("zero3"):
         print("[bench_gpu] ZeRO-3, one process", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
 TRAINERS = ("tv", "raw", "distill", "tv-nonorm")
 
 
-# The prepared call of docs/performance.md's "The next command (issue 49)": its deadline, and the device call's limit
+# The prepared call of docs/performance.md's "The next command (issues 49 and 60)": its deadline, and the device call's limit
 PRESET_CALL = ("--preset", "precision", "--deadline-s", "330")
 DEVICE_CALL_S = 420
 
@@ -104,7 +104,8 @@ def test_quick_zero3_path_runs_on_the_cpu_stand_in(tmp_path):
 @pytest.mark.long  # about 40 s of CPU on the 2-core machine
 def test_quick_precision_preset_runs_both_heads_and_reports_issue_49s_targets(tmp_path):
     """The prepared call itself on tiny shapes: both student dtypes, each with the bf16 and the float32 LM head side by
-    side, TF32 and the recipes' fused AdamW set, both T, the targets' verdict lines, profile and packing."""
+    side, TF32 and the recipes' fused AdamW set, both T, the targets' verdict lines, the profiles (padded and
+    padding-free) and packing."""
     stdout, results = _run(tmp_path, *PRESET_CALL)
     cli = results["cli"]
     assert cli["tf32"] and cli["optim"] == "adamw_torch_fused" and cli["profile"] and cli["packing"]
@@ -135,6 +136,13 @@ def test_quick_precision_preset_runs_both_heads_and_reports_issue_49s_targets(tm
     assert "tv-bf16head" in extras["profile"]["where"] and "T = 64" in extras["profile"]["where"]
     assert extras["packing"]["trainer"] == "tv-bf16head" and extras["packing"]["student_dtype"] == "bfloat16"
     assert all("error" not in run for run in extras["packing"]["runs"].values())
+    # Issue 60: the padding-free step is profiled too, beside the padded one, each to its own file
+    packed = extras["packing"]["profile"]
+    assert "padding-free" in packed["where"] and "tv-bf16head" in packed["where"], packed
+    assert packed["step_seconds"] > 0 and packed["kernel_seconds"]["attention"] > 0, packed
+    assert f"### Profile of one tv step ({packed['where']})" in stdout
+    for name in ("bench_gpu_profile.txt", "bench_gpu_profile_packed.txt"):
+        assert (tmp_path / "quick" / name).read_text().count("Self CPU") >= 1, name
 
 
 def test_the_prepared_precision_call_fits_one_device_call_and_the_docs_quote_its_estimate():
@@ -150,7 +158,7 @@ def test_the_prepared_precision_call_fits_one_device_call_and_the_docs_quote_its
     assert "no optional part skipped by the estimate" in process.stdout
     assert parts["total"] <= 330 <= DEVICE_CALL_S - 60, parts
     with open(os.path.join(ROOT, "docs", "performance.md")) as f:
-        section = f.read().split("### The next command (issue 49)", 1)[1].split("\n### ", 1)[0]
+        section = f.read().split("### The next command (issues 49 and 60)", 1)[1].split("\n### ", 1)[0]
     section = " ".join(section.replace("\\\n", " ").split())  # the prose's and the command's line breaks
     assert "python3 benchmarks/bench_gpu.py " + " ".join(PRESET_CALL) in section
     assert f"{parts['total']:.0f} s in all" in section, estimate
