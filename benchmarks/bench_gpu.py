@@ -60,11 +60,13 @@ over one `tv` step at the largest T, or the preset's step: CUDA time per kernel 
 `--generation` (transformers `generate` tokens per second of the student, batch 1 and 8, the rollout side without
 vLLM); `--packing` (the loss phase of one rollout of B = 8 rows at the largest T, completion lengths distributed like
 a reasoning run's, padded against `padding_free` with and without a token budget: `bench_packing.py`'s rows on the
-GPU; with `--profile` also the profile of one padding-free step, which shows where the packed layout's time goes); `--zero3` (one `tv` run at T = 2,048 under DeepSpeed ZeRO-3 on this one GPU, launched with the recipe's
+GPU; with `--profile` also the profile of one padding-free step, which shows where the packed layout's time goes);
+`--zero3` (one `tv` run at T = 2,048 under DeepSpeed ZeRO-3 on this one GPU, launched with the recipe's
 `accelerate_configs/zero3.yaml` and `--num_processes 1`, against the unsharded `tv` row); `--long` (T = 16,384).
 
 Writes bench_gpu.json (every raw number), bench_gpu.md (the printed report) and, with --profile,
-bench_gpu_profile.txt (and with --packing bench_gpu_profile_packed.txt) to `--out` after every measurement, so that a run cut short keeps what it measured.
+bench_gpu_profile.txt (and with --packing bench_gpu_profile_packed.txt) to `--out` after every measurement, so that
+a run cut short keeps what it measured.
 """
 
 import argparse
@@ -338,12 +340,13 @@ KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins; wha
 )
 
 
-def profile_run(name, shape, data, job, where, out, filename, overrides=None):
+def profile_run(name, shape, data, job, context, out, filename, overrides=None):
     """One two-step run of `name` with the profiler over its second step: the summary of `profile_summary`, headed
-    by `where`, and its costliest kernels written to `out`/`filename`."""
+    by the student's dtype, the trainer's head and `context`, and its costliest kernels written to `out`/`filename`."""
     callback = profile_one_step()
     run = measure_run(name, shape, data, {**job, "steps": WARMUP_STEPS + 1}, [callback], overrides)
-    summary = {"where": where(run), **(profile_summary(callback) if "error" not in run else run)}
+    where = f"{job['student_dtype']} student, {head_label(name, run)}, {context}"
+    summary = {"where": where, **(profile_summary(callback) if "error" not in run else run)}
     if "table" in summary:
         with open(os.path.join(out, filename), "w") as f:
             f.write(f"{summary['where']}\n\n{summary.pop('table')}\n")
@@ -420,8 +423,13 @@ def measure_packing(config, job, trainer="tv", profile_out=None):
     for layout in common.PACKING_LAYOUTS:
         print(f"[bench_gpu] packing: {layout}", file=sys.stderr, flush=True)
         runs[layout] = measure_run(trainer, shape, data, job, overrides=common.packing_overrides(layout, shape))
-    packing = {"shape": asdict(shape), "lengths": lengths, "runs": runs, "trainer": trainer}
-    packing["student_dtype"] = job["student_dtype"]
+    packing = {
+        "shape": asdict(shape),
+        "lengths": lengths,
+        "runs": runs,
+        "trainer": trainer,
+        "student_dtype": job["student_dtype"],
+    }
     if profile_out:
         print("[bench_gpu] packing: profile of the packed step", file=sys.stderr, flush=True)
         packing["profile"] = profile_run(
@@ -429,10 +437,7 @@ def measure_packing(config, job, trainer="tv", profile_out=None):
             shape,
             data,
             job,
-            lambda run: (
-                f"{job['student_dtype']} student, {head_label(trainer, run)}, padding-free, B = {shape.batch}"
-                f", T up to {shape.completion}"
-            ),
+            f"padding-free, B = {shape.batch}, T up to {shape.completion}",
             profile_out,
             "bench_gpu_profile_packed.txt",
             common.packing_overrides("packed", shape),
@@ -921,7 +926,7 @@ def main():
             shape,
             rollout(shape, cli.quick, cache_dir),
             primary_job,
-            lambda run: f"{primary_dtype} student, {head_label(primary_trainer, run)}, T = {target}",
+            f"T = {target}",
             out,
             "bench_gpu_profile.txt",
         )

@@ -20,7 +20,8 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_gpu.py")
 TRAINERS = ("tv", "raw", "distill", "tv-nonorm")
 
 
-# The prepared call of docs/performance.md's "The next command (issues 49 and 60)": its deadline, and the device call's limit
+# The prepared call of docs/performance.md's "The next command (issues 49 and 60)": its deadline, and the device
+# call's limit
 PRESET_CALL = ("--preset", "precision", "--deadline-s", "330")
 DEVICE_CALL_S = 420
 
